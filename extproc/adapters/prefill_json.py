@@ -1,0 +1,48 @@
+"""Reading a prefill worker's non-streaming JSON reply: the checks every sequential adapter shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from extproc import jsonspan
+from extproc.adapters.base import PrefillReply
+from extproc.errors import Code, PdError
+
+_SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
+
+
+def preserved_status(status: int) -> int:
+    """The status a client gets for a non-200 prefill answer: 4xx and 5xx keep their exact value
+    (so the class is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502."""
+    return status if 400 <= status <= 599 else 502
+
+
+def parse_prefill_object(reply: PrefillReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
+    """The reply's JSON object and its top-level member spans. Never relays the reply body."""
+    if reply.status != 200:
+        raise PdError(Code.PREFILL_UPSTREAM_ERROR, status=preserved_status(reply.status))
+    media = (reply.content_type or "").split(";", 1)[0].strip().lower()
+    if media == "text/event-stream" or reply.body.lstrip().startswith(_SSE_PREFIXES):
+        raise PdError(Code.PREFILL_RESPONSE_STREAMED)
+    try:
+        parsed = orjson.loads(reply.body)
+    except orjson.JSONDecodeError as exc:
+        if reply.body and exc.msg == "unexpected end of data":
+            raise PdError(Code.PREFILL_RESPONSE_TRUNCATED) from None
+        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
+    if not isinstance(parsed, dict):
+        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
+    spans = jsonspan.members(reply.body)
+    if len({m.name for m in spans}) != len(spans):
+        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
+    return parsed, spans
+
+
+def member_value(raw: bytes, spans: list[jsonspan.Member], name: str) -> bytes | None:
+    """The raw bytes of a top-level member's value, or None if the member is absent."""
+    for member in spans:
+        if member.name == name:
+            return jsonspan.value_bytes(raw, member)
+    return None

@@ -1,0 +1,138 @@
+"""What every emulated worker shares: a record of each request it received, scripted behaviours,
+and the /_emulator/* control endpoints tests use to read them.
+
+Control endpoints (never recorded):
+  GET  /_emulator/info                     engine, role, worker id, side channel
+  GET  /_emulator/requests                 every recorded request (body parsed when it is small JSON)
+  GET  /_emulator/requests/{seq}/body      one request's raw body
+  GET  /_emulator/wait?outcome=O&count=N&timeout=S   block until N requests have outcome O (or 408)
+  POST /_emulator/script                   {"behaviours": [...]}: one behaviour per next request, FIFO
+  POST /_emulator/reset                    forget requests and script (metrics stay cumulative)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from extproc.emulator.httpserver import Request, Response
+
+_INLINE_JSON_LIMIT = 2 << 20
+
+
+@dataclass(slots=True)
+class Received:
+    seq: int
+    request: Request
+    at: float = field(default_factory=time.time)
+    outcome: str = "pending"  # pending | answered | disconnected
+    status: int | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        body = self.request.body
+        parsed: Any = None
+        if len(body) <= _INLINE_JSON_LIMIT:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                parsed = orjson.loads(body)
+        return {
+            "seq": self.seq,
+            "method": self.request.method,
+            "target": self.request.target,
+            "headers": self.request.headers,
+            "peer": self.request.peer,
+            "body_len": len(body),
+            "body_sha256": hashlib.sha256(body).hexdigest(),
+            "json": parsed,
+            "outcome": self.outcome,
+            "status": self.status,
+            "notes": self.notes,
+        }
+
+
+class Control:
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.records: list[Received] = []
+        self.script: deque[dict[str, Any]] = deque()
+        self._changed = asyncio.Condition()
+        self._seq = 0
+
+    def record(self, request: Request) -> Received:
+        self._seq += 1
+        received = Received(self._seq, request)
+        self.records.append(received)
+        self._notify()
+        return received
+
+    def finish(self, received: Received, outcome: str, status: int | None = None) -> None:
+        received.outcome = outcome
+        received.status = status
+        self._notify()
+
+    def disconnected(self, request: Request) -> None:
+        for received in reversed(self.records):
+            if received.request is request:
+                self.finish(received, "disconnected", received.status)
+                return
+
+    def next_behaviour(self) -> dict[str, Any]:
+        return self.script.popleft() if self.script else {}
+
+    def _notify(self) -> None:
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(notify())
+
+    async def wait_for(self, predicate: Callable[[], bool], within: float) -> bool:
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await self._changed.wait_for(predicate)
+        return predicate()
+
+    async def handle(self, request: Request) -> Response | None:
+        """Answer a control request, or None if ``request`` is not one."""
+        if not request.path.startswith("/_emulator/"):
+            return None
+        path = request.path[len("/_emulator/"):]
+        query = dict(
+            part.split("=", 1) for part in request.target.partition("?")[2].split("&") if "=" in part
+        )
+        if path == "info":
+            return Response(200, orjson.dumps(self.info))
+        if path == "requests":
+            return Response(200, orjson.dumps([r.summary() for r in self.records]))
+        if path.startswith("requests/") and path.endswith("/body"):
+            seq = int(path.split("/")[1])
+            for received in self.records:
+                if received.seq == seq:
+                    return Response(200, received.request.body, content_type="application/octet-stream")
+            return Response(404, b"{}")
+        if path == "reset" and request.method == "POST":
+            self.records.clear()
+            self.script.clear()
+            return Response(200, b"{}")
+        if path == "script" and request.method == "POST":
+            self.script.extend(orjson.loads(request.body)["behaviours"])
+            return Response(200, b"{}")
+        if path == "wait":
+            outcome = query.get("outcome", "answered")
+            count = int(query.get("count", "1"))
+            ok = await self.wait_for(
+                lambda: sum(r.outcome == outcome for r in self.records) >= count,
+                float(query.get("timeout", "10")),
+            )
+            return Response(200 if ok else 408, orjson.dumps({"ok": ok}))
+        return Response(404, b"{}")

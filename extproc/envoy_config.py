@@ -1,0 +1,239 @@
+"""Renders the Envoy bootstrap from Settings: one source of truth for ports, timeouts and limits.
+
+Route "pd" (POST /v1/chat/completions or /v1/completions carrying x-prefiller-host-port) runs
+ext_proc; every other request takes route "passthrough", where ext_proc is disabled and our server
+is never called. See research notes in PROTOCOL.md ("Envoy contract") for why each value is set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from extproc.config import Settings
+from extproc.errors import SPEC, Code
+from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.units import Address, format_duration
+
+EXT_PROC_CLUSTER = "pd_extproc"
+DECODE_CLUSTER = "decode"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+PD_PATH_REGEX = "/v1/(chat/)?completions"
+
+_TYPE = "@type"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_BODY_LIMIT = "type.googleapis.com/envoy.extensions.filters.http.body_size_limit.v3.BodySizeLimit"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+_STDOUT_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+
+# Envoy's own local replies -> our error codes. Order matters: the first match wins. Each filter
+# excludes our ImmediateResponses (details "pd_*"), which already carry their JSON body.
+_LOCAL_REPLY_RULES: tuple[tuple[str, Code, bool], ...] = (
+    # (CEL condition, code, keep Envoy's status)
+    ("response.code == 413", Code.REQUEST_TOO_LARGE, False),
+    ("response.code == 408", Code.REQUEST_TIMEOUT, False),
+    ("response.code_details.startsWith('ext_proc_error_per-message_timeout')", Code.PD_EXTPROC_TIMEOUT, False),
+    ("response.code_details.startsWith('ext_proc')", Code.PD_EXTPROC_UNAVAILABLE, False),
+    ("response.code == 504", Code.DECODE_UPSTREAM_TIMEOUT, False),
+    ("response.code == 503", Code.DECODE_UPSTREAM_UNAVAILABLE, False),
+    ("true", Code.GATEWAY_ERROR, True),
+)
+
+
+def _socket_address(address: Address) -> dict[str, Any]:
+    if address.unix_path is not None:
+        return {"pipe": {"path": address.unix_path}}
+    return {"socket_address": {"address": address.host, "port_value": address.port}}
+
+
+def _connect_address(address: Address) -> Address:
+    """Where Envoy reaches a server listening on ``address`` (a wildcard means this host)."""
+    if address.host in ("0.0.0.0", ""):
+        return Address("127.0.0.1", address.port, address.unix_path)
+    if address.host == "::":
+        return Address("::1", address.port, address.unix_path)
+    return address
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _local_reply_config() -> dict[str, Any]:
+    mappers = []
+    for condition, code, keep_status in _LOCAL_REPLY_RULES:
+        spec = SPEC[code]
+        mapper: dict[str, Any] = {
+            "filter": {"extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {_TYPE: _CEL_FILTER,
+                                 "expression": f"!response.code_details.startsWith('pd_') && ({condition})"},
+            }},
+            "body_format_override": {
+                "json_format": {"error": {
+                    "message": spec.message,
+                    "type": spec.type,
+                    "param": None,
+                    "code": code.value,
+                }},
+                "content_type": "application/json",
+            },
+        }
+        if not keep_status:
+            mapper["status_code"] = spec.status
+        mappers.append(mapper)
+    return {"mappers": mappers}
+
+
+def _ext_proc_filter(settings: Settings, header_mode: str) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        _TYPE: _EXT_PROC,
+        "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+        "failure_mode_allow": False,  # no prefill, no decode: a P/D request never silently recomputes
+        "status_on_error": {"code": 503},
+        "message_timeout": format_duration(settings.message_timeout),
+        "processing_mode": {
+            "request_header_mode": "SEND" if header_mode == "send" else "SKIP",
+            "request_body_mode": "BUFFERED",
+            "request_trailer_mode": "SKIP",
+            "response_header_mode": "SKIP",
+            "response_body_mode": "NONE",
+            "response_trailer_mode": "SKIP",
+        },
+    }
+    if header_mode == "attributes":
+        config["request_attributes"] = ["request.headers", "request.path", "request.id"]
+    return config
+
+
+def _route_common(settings: Settings) -> dict[str, Any]:
+    return {
+        "cluster": DECODE_CLUSTER,
+        "timeout": "0s",  # a decode stream may run for minutes; idle_timeout catches a stalled one
+        "idle_timeout": format_duration(settings.decode_idle_timeout),
+    }
+
+
+def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
+    """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
+    ext_proc_at = _connect_address(settings.grpc_listen)
+    decode_host_is_ip = _is_ip(settings.decode.host)
+    routes = [
+        {
+            "name": "pd",
+            "match": {
+                "safe_regex": {"regex": PD_PATH_REGEX},
+                "headers": [
+                    {"name": ":method", "string_match": {"exact": "POST"}},
+                    {"name": PREFILL_TARGET_HEADER, "present_match": True},
+                ],
+            },
+            "route": _route_common(settings),
+            "request_body_buffer_limit": settings.max_request_bytes,
+            "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+        },
+        {
+            "name": "passthrough",
+            "match": {"prefix": "/"},
+            "route": _route_common(settings),
+            "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+            "typed_per_filter_config": {
+                EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True},
+            },
+        },
+    ]
+    hcm = {
+        _TYPE: _HCM,
+        "stat_prefix": "pd_ingress",
+        "codec_type": "AUTO",
+        # Runs while ext_proc holds the request: it must outlast the prefill leg (checked in config.py).
+        "stream_idle_timeout": format_duration(settings.decode_idle_timeout),
+        "request_timeout": format_duration(settings.client_body_timeout),
+        "request_headers_timeout": "10s",
+        "access_log": [{
+            "name": "envoy.access_loggers.stdout",
+            "typed_config": {_TYPE: _STDOUT_LOG, "log_format": {"json_format": {
+                "request_id": "%REQ(X-REQUEST-ID)%",
+                "route": "%ROUTE_NAME%",
+                "method": "%REQ(:METHOD)%",
+                "code": "%RESPONSE_CODE%",
+                "details": "%RESPONSE_CODE_DETAILS%",
+                "flags": "%RESPONSE_FLAGS%",
+                "duration_ms": "%DURATION%",
+                "bytes_received": "%BYTES_RECEIVED%",
+                "bytes_sent": "%BYTES_SENT%",
+                "upstream": "%UPSTREAM_HOST%",
+            }}},
+        }],
+        "local_reply_config": _local_reply_config(),
+        "route_config": {"name": "pd", "virtual_hosts": [{"name": "decode", "domains": ["*"], "routes": routes}]},
+        "http_filters": [
+            {"name": "envoy.filters.http.body_size_limit",
+             "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
+            {"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings, header_mode)},
+            {"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}},
+        ],
+    }
+    high = max(4096, settings.max_inflight * 4)
+    clusters = [
+        {
+            "name": EXT_PROC_CLUSTER,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                _TYPE: _HTTP_OPTIONS,
+                "explicit_http_config": {"http2_protocol_options": {
+                    "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                    "max_concurrent_streams": 2147483647,
+                }},
+            }},
+            # One gRPC stream per in-flight P/D request for the whole prefill: Envoy's default cap of
+            # 1024 would turn load into 503s long before our own admission limit.
+            "circuit_breakers": {"thresholds": [
+                {"max_connections": high, "max_pending_requests": high, "max_requests": high},
+            ]},
+            "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(ext_proc_at)}}]},
+            ]},
+        },
+        {
+            "name": DECODE_CLUSTER,
+            "type": "STATIC" if decode_host_is_ip else "STRICT_DNS",
+            "connect_timeout": "2s",
+            "circuit_breakers": {"thresholds": [
+                {"max_connections": high, "max_pending_requests": high, "max_requests": high},
+            ]},
+            "load_assignment": {"cluster_name": DECODE_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(settings.decode)}}]},
+            ]},
+        },
+    ]
+    return {
+        "admin": {"address": _socket_address(settings.envoy_admin)},
+        "static_resources": {
+            "listeners": [{
+                "name": "pd_ingress",
+                "address": _socket_address(settings.listen),
+                "filter_chains": [{"filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm},
+                ]}],
+            }],
+            "clusters": clusters,
+        },
+    }
+
+
+def render_yaml(settings: Settings, header_mode: str = "send") -> str:
+    header = ("# Rendered by `pd-extproc envoy-config` from PD_EXTPROC_* settings; edit the settings, not this file.\n")
+    return header + yaml.safe_dump(render(settings, header_mode), sort_keys=False, width=120)

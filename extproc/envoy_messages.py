@@ -1,0 +1,114 @@
+"""Conversions between Envoy ext_proc protobuf messages and our plain values. Pure.
+
+Envoy sends header values in ``raw_value`` (bytes) and ignores ``value`` on mutations, so both
+directions use ``raw_value`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.errors import Code, error_body
+
+# Attribute expressions the filter is configured to send with the body (see envoy_config.py).
+ATTR_NAMESPACE = "envoy.filters.http.ext_proc"
+ATTR_HEADERS = "request.headers"
+ATTR_PATH = "request.path"
+ATTR_REQUEST_ID = "request.id"
+JSON = b"application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """What we know of the HTTP request before its body: path (with query) and headers."""
+
+    path: str
+    headers: tuple[tuple[str, str], ...]  # lower-case names, every occurrence, in order
+
+    def values(self, name: str) -> list[str]:
+        return [value for key, value in self.headers if key == name]
+
+    def first(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+def head_from_headers(message: pb.HttpHeaders) -> RequestHead:
+    headers = tuple(
+        (h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value)
+        for h in message.headers.headers
+    )
+    path = next((value for key, value in headers if key == ":path"), "")
+    return RequestHead(path=path, headers=headers)
+
+
+def head_from_attributes(attributes: struct_pb2.Struct) -> RequestHead | None:
+    """The request head from CEL attributes sent with the body, or None if they are absent.
+
+    Envoy joins repeated header values with a comma in ``request.headers``; a comma is refused by
+    the x-prefiller-host-port parser, so a repeated header stays an error."""
+    fields = attributes.fields
+    if ATTR_HEADERS not in fields:
+        return None
+    header_map = fields[ATTR_HEADERS].struct_value.fields
+    headers = tuple((key.lower(), value.string_value) for key, value in header_map.items())
+    return RequestHead(path=fields[ATTR_PATH].string_value, headers=headers)
+
+
+def _header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def continue_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def replace_body(body: bytes) -> pb.ProcessingResponse:
+    """Send ``body`` to decode. Content-Length must match the new body or Envoy rejects it."""
+    response = pb.ProcessingResponse()
+    common = response.request_body.response
+    common.header_mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    common.body_mutation.body = body
+    return response
+
+
+def immediate(status: int, body: bytes, details: str, extra_headers: Sequence[tuple[str, bytes]] = (),
+              content_type: bytes = JSON) -> pb.ProcessingResponse:
+    """A local reply from Envoy to the client; the request goes no further."""
+    response = pb.ProcessingResponse()
+    reply = response.immediate_response
+    reply.status.code = envoy_status(status)
+    reply.headers.set_headers.append(_header("content-type", content_type))
+    for key, value in extra_headers:
+        reply.headers.set_headers.append(_header(key, value))
+    reply.body = body
+    reply.details = details
+    return response
+
+
+def envoy_status(status: int) -> int:
+    """Envoy accepts only the statuses its enum defines; others keep their class (4xx->400, else 502)."""
+    if status in _DEFINED_STATUSES:
+        return status
+    return 400 if 400 <= status <= 499 else 502
+
+
+def error_reply(code: Code, status: int, param: str | None = None,
+                extra_headers: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
+    # details become %RESPONSE_CODE_DETAILS%; the "pd_" prefix keeps Envoy's local_reply_config
+    # mappers (which shape Envoy's own errors) away from our replies.
+    return immediate(status, error_body(code, param), "pd_" + code.value, extra_headers)
+
+
+_DEFINED_STATUSES = frozenset(number for name, number in http_status_pb2.StatusCode.items() if number >= 200)

@@ -1,0 +1,105 @@
+"""Byte spans of the top-level members of a JSON object, so bodies can be edited without re-encoding.
+
+Both legs are built by splicing the client's own bytes: members we do not touch reach the engines
+exactly as the client wrote them (number spelling, big integers, escapes, key order). Callers must
+pass a document that a strict JSON parser already accepted as an object; this module only locates
+members, it does not validate.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import orjson
+
+_WS = re.compile(rb"[ \t\r\n]*")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SCALAR = re.compile(rb"[^,}\] \t\r\n]+")
+_STRUCTURAL = re.compile(rb'["\[\]{}]')
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    name: str  # the decoded key: escapes in a key cannot hide it from an edit
+    start: int  # offset of the key's opening quote
+    value_start: int
+    end: int  # offset just past the value
+
+
+def _skip_ws(raw: bytes, pos: int) -> int:
+    match = _WS.match(raw, pos)
+    return match.end() if match else pos
+
+
+def _value_end(raw: bytes, pos: int) -> int:
+    first = raw[pos:pos + 1]
+    if first == b'"':
+        match = _STRING.match(raw, pos)
+        assert match is not None
+        return match.end()
+    if first not in (b"{", b"["):
+        match = _SCALAR.match(raw, pos)
+        assert match is not None
+        return match.end()
+    depth = 0
+    while True:
+        match = _STRUCTURAL.search(raw, pos)
+        assert match is not None
+        char = match.group()
+        if char == b'"':
+            string = _STRING.match(raw, match.start())
+            assert string is not None
+            pos = string.end()
+            continue
+        pos = match.end()
+        depth += 1 if char in (b"{", b"[") else -1
+        if depth == 0:
+            return pos
+
+
+def members(raw: bytes) -> list[Member]:
+    """The top-level members of the JSON object in ``raw``, in document order."""
+    pos = _skip_ws(raw, 0)
+    assert raw[pos:pos + 1] == b"{"
+    pos = _skip_ws(raw, pos + 1)
+    found: list[Member] = []
+    if raw[pos:pos + 1] == b"}":
+        return found
+    while True:
+        key = _STRING.match(raw, pos)
+        assert key is not None
+        colon = _skip_ws(raw, key.end())
+        value_start = _skip_ws(raw, colon + 1)
+        end = _value_end(raw, value_start)
+        name = key.group()[1:-1].decode() if b"\\" not in key.group() else orjson.loads(key.group())
+        found.append(Member(name, key.start(), value_start, end))
+        pos = _skip_ws(raw, end)
+        if raw[pos:pos + 1] == b"}":
+            return found
+        pos = _skip_ws(raw, pos + 1)
+
+
+def value_bytes(raw: bytes, member: Member) -> bytes:
+    return raw[member.value_start:member.end]
+
+
+def rebuild(
+    raw: bytes,
+    spans: Iterable[Member],
+    replace: Mapping[str, bytes | None],
+    append: Iterable[tuple[str, bytes]] = (),
+) -> bytes:
+    """A new object: each member of ``raw`` verbatim, unless ``replace`` maps its name to new value
+    bytes (or to None, which drops it); then the ``append`` members (name, value bytes)."""
+    parts: list[bytes] = []
+    for member in spans:
+        if member.name in replace:
+            new_value = replace[member.name]
+            if new_value is not None:
+                parts.append(orjson.dumps(member.name) + b":" + new_value)
+        else:
+            parts.append(raw[member.start:member.end])
+    parts.extend(orjson.dumps(name) + b":" + value for name, value in append)
+    return b"{" + b",".join(parts) + b"}"
