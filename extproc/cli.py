@@ -41,8 +41,8 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     logs.configure(settings.log_level)
     from extproc.server import serve
 
-    def ready(address: str) -> None:
-        sys.stdout.write(f"ready grpc {address}\n")
+    def ready(address: str, metrics_port: int) -> None:
+        sys.stdout.write(f"ready grpc {address} metrics {metrics_port}\n")
         sys.stdout.flush()
 
     asyncio.run(serve(settings, ready))

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from extproc.adapters import REGISTRY, protocol_problem
+from extproc.prefill_policy import Rule, describe, parse_allow_list
 from extproc.units import Address, format_duration, parse_address, parse_duration, parse_size
 
 ENV_PREFIX = "PD_EXTPROC_"
@@ -42,6 +45,14 @@ class Settings:
     decode_idle_timeout: float = 300.0
     drain_timeout: float = 30.0
     max_inflight: int = 1024
+    metrics_listen: Address = Address("0.0.0.0", 9190)
+    prefill_allow: tuple[Rule, ...] = ()
+    prefill_tls: bool = False
+    prefill_ca_file: str = ""
+    prefill_cert_file: str = ""
+    prefill_key_file: str = ""
+    prefill_server_name: str = ""
+    trusted_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     log_level: str = "info"
     demo: bool = False
 
@@ -114,6 +125,21 @@ def _text(text: str) -> str:
     return text.strip()
 
 
+def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(part.strip(), strict=True) for part in text.split(",") if part.strip())
+
+
+def _show_networks(value: Any) -> str:
+    return ",".join(str(network) for network in value)
+
+
+def _file(text: str) -> str:
+    path = text.strip()
+    if path and not os.path.isfile(path):
+        raise ValueError(f"no such file: {path}")
+    return path
+
+
 def _show_plain(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -159,6 +185,20 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("decode_idle_timeout", _positive_duration, "longest silence on a decode stream"),
     SettingSpec("drain_timeout", _positive_duration, "grace period for in-flight requests on shutdown"),
     SettingSpec("max_inflight", _positive_int, "in-flight P/D requests before 503 pd_overloaded"),
+    SettingSpec("metrics_listen", lambda t: parse_address(t, allow_port_zero=True),
+                "HTTP host:port for /metrics, /healthz and /readyz"),
+    SettingSpec("prefill_allow", parse_allow_list,
+                "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
+                "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)",
+                show=describe),
+    SettingSpec("prefill_tls", _parse_bool, "use TLS to prefill workers"),
+    SettingSpec("prefill_ca_file", _file, "CA bundle for prefill TLS; empty = the system CAs"),
+    SettingSpec("prefill_cert_file", _file, "client certificate for prefill mTLS"),
+    SettingSpec("prefill_key_file", _file, "client key for prefill mTLS"),
+    SettingSpec("prefill_server_name", _text, "TLS server name to verify; empty = the target's host"),
+    SettingSpec("trusted_sources", _networks,
+                "CIDRs allowed to set x-prefiller-host-port (Envoy drops it from other peers); empty = all",
+                show=_show_networks),
     SettingSpec("log_level", _choice(LOG_LEVELS), "log level: debug, info, warning, error"),
     SettingSpec("demo", _parse_bool, "demo mode (pd-extproc up): start emulated workers"),
 )
@@ -223,6 +263,11 @@ def check_consistency(settings: Settings) -> list[str]:
                         f"({format_duration(settings.message_timeout)})")
     if settings.message_timeout > 3600:
         problems.append("the ext_proc message timeout must not exceed 3600s (Envoy's limit)")
+    if settings.prefill_cert_file and not settings.prefill_key_file:
+        problems.append("prefill_cert_file needs prefill_key_file")
+    if (settings.prefill_ca_file or settings.prefill_cert_file or settings.prefill_server_name) \
+            and not settings.prefill_tls:
+        problems.append("prefill TLS files or server name are set but prefill_tls is false")
     if settings.max_prefill_response_bytes > settings.max_request_bytes:
         problems.append("max_prefill_response_bytes must not exceed max_request_bytes")
     return problems

@@ -125,37 +125,43 @@ def _route_common(settings: Settings) -> dict[str, Any]:
     }
 
 
-def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
-    """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
-    ext_proc_at = _connect_address(settings.grpc_listen)
-    decode_host_is_ip = _is_ip(settings.decode.host)
-    routes = [
-        {
-            "name": "pd",
-            "match": {
-                "safe_regex": {"regex": PD_PATH_REGEX},
-                "headers": [
-                    {"name": ":method", "string_match": {"exact": "POST"}},
-                    {"name": PREFILL_TARGET_HEADER, "present_match": True},
-                ],
-            },
-            "route": _route_common(settings),
-            "request_body_buffer_limit": settings.max_request_bytes,
-            "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
+    passthrough = {
+        "name": "passthrough",
+        "match": {"prefix": "/"},
+        "route": _route_common(settings),
+        "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+        "typed_per_filter_config": {EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True}},
+    }
+    if not pd_enabled:
+        return [passthrough]
+    pd_route = {
+        "name": "pd",
+        "match": {
+            "safe_regex": {"regex": PD_PATH_REGEX},
+            "headers": [
+                {"name": ":method", "string_match": {"exact": "POST"}},
+                {"name": PREFILL_TARGET_HEADER, "present_match": True},
+            ],
         },
-        {
-            "name": "passthrough",
-            "match": {"prefix": "/"},
-            "route": _route_common(settings),
-            "request_headers_to_remove": [PREFILL_TARGET_HEADER],
-            "typed_per_filter_config": {
-                EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True},
-            },
-        },
+        "route": _route_common(settings),
+        "request_body_buffer_limit": settings.max_request_bytes,
+        "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+    }
+    return [pd_route, passthrough]
+
+
+def _connection_manager(settings: Settings, header_mode: str, pd_enabled: bool) -> dict[str, Any]:
+    filters: list[dict[str, Any]] = [
+        {"name": "envoy.filters.http.body_size_limit",
+         "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
     ]
-    hcm = {
+    if pd_enabled:
+        filters.append({"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings, header_mode)})
+    filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
+    return {
         _TYPE: _HCM,
-        "stat_prefix": "pd_ingress",
+        "stat_prefix": "pd_ingress" if pd_enabled else "untrusted_ingress",
         "codec_type": "AUTO",
         # Runs while ext_proc holds the request: it must outlast the prefill leg (checked in config.py).
         "stream_idle_timeout": format_duration(settings.decode_idle_timeout),
@@ -177,14 +183,32 @@ def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
             }}},
         }],
         "local_reply_config": _local_reply_config(),
-        "route_config": {"name": "pd", "virtual_hosts": [{"name": "decode", "domains": ["*"], "routes": routes}]},
-        "http_filters": [
-            {"name": "envoy.filters.http.body_size_limit",
-             "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
-            {"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings, header_mode)},
-            {"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}},
-        ],
+        "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
+            {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
+        "http_filters": filters,
     }
+
+
+def _filter_chains(settings: Settings, header_mode: str) -> list[dict[str, Any]]:
+    """With trusted_sources, only those peers may use the P/D route; everyone else gets a chain
+    without it, where x-prefiller-host-port is dropped and the request is a plain passthrough."""
+    hcm_filter = "envoy.filters.network.http_connection_manager"
+    trusted: dict[str, Any] = {"filters": [
+        {"name": hcm_filter, "typed_config": _connection_manager(settings, header_mode, True)}]}
+    if not settings.trusted_sources:
+        return [trusted]
+    trusted["filter_chain_match"] = {"source_prefix_ranges": [
+        {"address_prefix": str(network.network_address), "prefix_len": network.prefixlen}
+        for network in settings.trusted_sources
+    ]}
+    untrusted = {"filters": [{"name": hcm_filter, "typed_config": _connection_manager(settings, header_mode, False)}]}
+    return [trusted, untrusted]
+
+
+def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
+    """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
+    ext_proc_at = _connect_address(settings.grpc_listen)
+    decode_host_is_ip = _is_ip(settings.decode.host)
     high = max(4096, settings.max_inflight * 4)
     clusters = [
         {
@@ -203,6 +227,14 @@ def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
             "circuit_breakers": {"thresholds": [
                 {"max_connections": high, "max_pending_requests": high, "max_requests": high},
             ]},
+            # gRPC health: a draining or stopped server is taken out at once and P/D requests fail
+            # fast with a JSON 503 (panic threshold 0: never "route to all hosts anyway").
+            "health_checks": [{
+                "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+                "unhealthy_threshold": 1, "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+            }],
+            "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
             "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [
                 {"lb_endpoints": [{"endpoint": {"address": _socket_address(ext_proc_at)}}]},
             ]},
@@ -225,9 +257,7 @@ def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
             "listeners": [{
                 "name": "pd_ingress",
                 "address": _socket_address(settings.listen),
-                "filter_chains": [{"filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm},
-                ]}],
+                "filter_chains": _filter_chains(settings, header_mode),
             }],
             "clusters": clusters,
         },

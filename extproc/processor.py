@@ -1,8 +1,9 @@
 """One HTTP request's P/D decision: head checks, prefill leg, handoff, decode body. No engine knowledge.
 
-The processor sequences pure steps (openai_request, prefill_target, the adapter) around the one I/O
-step (the prefill HTTP call) and turns every outcome into an ext_proc response. It is the single
-place a PdError becomes a client-visible reply and the single place a request is logged.
+The processor sequences the pure steps (prefill_target, openai_request, the adapter) around the I/O
+steps (target resolution and the prefill HTTP call) and turns every outcome into an ext_proc
+response. It is the single place a PdError becomes a client-visible reply and the single place a
+request is logged and counted.
 """
 
 from __future__ import annotations
@@ -22,58 +23,64 @@ from extproc import envoy_messages as msg
 from extproc.adapters.base import Adapter, AnswerDirectly, Flow
 from extproc.errors import Code, PdError
 from extproc.headers import prefill_headers
+from extproc.metrics import Metrics, RequestRecord
 from extproc.openai_request import ClientRequest, parse_client_request
-from extproc.prefill_target import HEADER, PrefillTarget, parse_prefill_target
-from extproc.upstream import PrefillClient
+from extproc.prefill_target import HEADER, parse_prefill_target
+from extproc.upstream import PrefillClient, ResolvedTarget
 
 log = logging.getLogger("extproc.request")
 
-# Request ids are logged only if they look like ids; anything else is logged as a digest so a
-# caller cannot put arbitrary text into our logs.
-_ID_SHAPE = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.:-]{0,63}")
-_ID_ALPHABET = re.compile(r"[0-9a-fA-F-]+")
+# A request id is logged as is only if it looks like an id (hex, dashes); anything else is logged as
+# a digest, so a caller cannot put text of their choosing into our logs.
+_ID_SHAPE = re.compile(r"[0-9a-fA-F-]{1,64}")
+_PREFILL_RESPONSE_PROBLEMS = frozenset({
+    Code.PREFILL_RESPONSE_NOT_JSON, Code.PREFILL_RESPONSE_TRUNCATED, Code.PREFILL_RESPONSE_STREAMED,
+    Code.PREFILL_RESPONSE_TOO_LARGE,
+})
 
 
 def loggable_request_id(value: str | None) -> str:
-    if value and _ID_SHAPE.fullmatch(value) and _ID_ALPHABET.fullmatch(value):
-        return value
     if not value:
         return "-"
+    if _ID_SHAPE.fullmatch(value):
+        return value
     return "sha256:" + hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def handoff_reason(param: str | None) -> str:
+    """A metric label from an invalid_prefill_handoff param ("kv_transfer_params.tp_size is invalid")."""
+    return (param or "unknown").rsplit(".", 1)[-1].replace(" is ", "_").replace(" ", "_")
 
 
 @dataclass
 class Admission:
-    """Counts in-flight P/D requests against a cap; no queue."""
+    """Counts in-flight P/D requests against a cap; beyond it requests are shed, never queued."""
 
     limit: int
     inflight: int = 0
     draining: bool = False
-    rejected: int = field(default=0)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def enter(self) -> None:
         if self.draining:
             raise PdError(Code.PD_SHUTTING_DOWN)
         if self.inflight >= self.limit:
-            self.rejected += 1
             raise PdError(Code.PD_OVERLOADED)
         self.inflight += 1
+        self.idle.clear()
 
     def leave(self) -> None:
         self.inflight -= 1
+        if self.inflight == 0:
+            self.idle.set()
 
 
 @dataclass(slots=True)
-class RequestRecord:
-    """What the one log line per request says. Never bodies or header values."""
+class Pending:
+    """What the headers phase learned, for the body phase of the same stream."""
 
-    request_id: str
-    adapter: str
-    outcome: str = "ok"
-    status: int = 200
-    prefill_status: int | None = None
-    prefill_seconds: float | None = None
-    started: float = field(default_factory=time.perf_counter)
+    record: RequestRecord
+    target: ResolvedTarget
 
 
 class PdProcessor:
@@ -83,68 +90,71 @@ class PdProcessor:
         prefill: PrefillClient,
         max_request_bytes: int,
         admission: Admission,
+        metrics: Metrics,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
         self._adapter = adapter
         self._prefill = prefill
         self._max_request_bytes = max_request_bytes
         self._admission = admission
+        self._metrics = metrics
         self._nonce = nonce
         self._adapter_name = adapter.name if adapter is not None else "none"
 
-    def check_head(self, head: msg.RequestHead) -> PrefillTarget:
-        """Checks that need only the request head; run as early as the head is known."""
-        if self._adapter is None:
-            raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
-        if self._admission.draining:
-            raise PdError(Code.PD_SHUTTING_DOWN)
-        return parse_prefill_target(head.values(HEADER))
+    def _record(self, head: msg.RequestHead) -> RequestRecord:
+        return RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name, time.perf_counter())
 
-    def refuse_head(self, head: msg.RequestHead) -> pb.ProcessingResponse | None:
-        """An immediate error for a bad head, or None to continue to the body."""
+    async def on_headers(self, head: msg.RequestHead) -> Pending | pb.ProcessingResponse:
+        """Everything that needs only the head: the kill switch, draining, the target and its policy.
+        Returns the state for the body phase, or the reply that ends the request now."""
+        record = self._record(head)
         try:
-            self.check_head(head)
-        except PdError as error:
-            record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name)
-            return self._refuse(record, error)
-        return None
-
-    async def on_body(self, head: msg.RequestHead, body: bytes) -> pb.ProcessingResponse:
-        record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name)
-        try:
-            target = self.check_head(head)
-            assert self._adapter is not None
-            request = parse_client_request(head.path, head.first("content-type"), body,
-                                           self._max_request_bytes)
-            self._admission.enter()
-            try:
-                response = await self._run_legs(self._adapter, head, request, target, record)
-            finally:
-                self._admission.leave()
+            if self._adapter is None:
+                raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
+            if self._admission.draining:
+                raise PdError(Code.PD_SHUTTING_DOWN)
+            target = await self._prefill.resolve(parse_prefill_target(head.values(HEADER)))
         except PdError as error:
             return self._refuse(record, error)
         except asyncio.CancelledError:
-            record.outcome, record.status = "cancelled", 499
-            self._log(record)
+            self._finish(record, "cancelled", 499)
+            raise
+        return Pending(record, target)
+
+    def refuse_now(self, pending: Pending, code: Code) -> pb.ProcessingResponse:
+        return self._refuse(pending.record, PdError(code))
+
+    async def on_body(self, head: msg.RequestHead, pending: Pending, body: bytes) -> pb.ProcessingResponse:
+        record = pending.record
+        record.body_bytes = len(body)
+        try:
+            assert self._adapter is not None
+            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
+            self._admission.enter()
+            self._metrics.inflight.inc()
+            try:
+                response = await self._run_legs(self._adapter, head, request, pending.target, record)
+            finally:
+                self._admission.leave()
+                self._metrics.inflight.dec()
+        except PdError as error:
+            return self._refuse(record, error)
+        except asyncio.CancelledError:
+            self._finish(record, "cancelled", 499)
             raise
         except Exception:
             log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
             return self._refuse(record, PdError(Code.INTERNAL_ERROR))
-        self._log(record)
+        self._finish(record, record.outcome, record.status)
         return response
 
     async def _run_legs(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
-                        target: PrefillTarget, record: RequestRecord) -> pb.ProcessingResponse:
-        plan = adapter.plan(request, target, self._nonce())
+                        target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
+        plan = adapter.plan(request, target.target, self._nonce())
         if adapter.flow is Flow.CONCURRENT:  # pragma: no cover - no concurrent adapter yet
             raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
-        started = time.perf_counter()
-        try:
-            reply = await self._prefill.post(target, request.path, prefill_headers(head.headers),
-                                             plan.prefill_body)
-        finally:
-            record.prefill_seconds = time.perf_counter() - started
-        record.prefill_status = reply.status
+        reply = await self._prefill.post(target, request.path, prefill_headers(head.headers), plan.prefill_body,
+                                         record)
         decision = adapter.decide(request, reply)
         if isinstance(decision, AnswerDirectly):
             record.outcome = "answered_by_prefill"
@@ -153,22 +163,29 @@ class PdProcessor:
         return msg.replace_body(decision.body)
 
     def _refuse(self, record: RequestRecord, error: PdError) -> pb.ProcessingResponse:
-        record.outcome, record.status = error.code.value, error.status
-        self._log(record)
+        if error.code is Code.INVALID_PREFILL_HANDOFF:
+            record.handoff_problem = handoff_reason(error.param)
+        elif error.code in _PREFILL_RESPONSE_PROBLEMS:
+            record.handoff_problem = error.code.value
+        self._finish(record, error.code.value, error.status)
         extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
         return msg.error_reply(error.code, error.status, error.param, extra)
 
-    def _log(self, record: RequestRecord) -> None:
+    def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
+        record.outcome, record.status = outcome, status
         total = time.perf_counter() - record.started
-        log.info(
-            "pd_request",
-            extra={
-                "request_id": record.request_id,
-                "adapter": record.adapter,
-                "outcome": record.outcome,
-                "status": record.status,
-                "prefill_status": record.prefill_status,
-                "prefill_ms": None if record.prefill_seconds is None else round(record.prefill_seconds * 1e3, 3),
-                "total_ms": round(total * 1e3, 3),
-            },
-        )
+        self._metrics.finish(record, total)
+        log.info("pd_request", extra={
+            "request_id": record.request_id,
+            "adapter": record.adapter,
+            "outcome": outcome,
+            "status": status,
+            "prefill_status": record.prefill_status,
+            "prefill_ms": _ms(record.prefill_seconds),
+            "total_ms": _ms(total),
+            "body_bytes": record.body_bytes,
+        })
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)

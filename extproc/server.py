@@ -1,4 +1,4 @@
-"""The grpc.aio shell: the ext_proc stream loop, gRPC health, and drain on SIGTERM.
+"""The I/O shell: the ext_proc stream loop, gRPC health, the metrics/health HTTP endpoint, and drain.
 
 Only this module reads from and writes to the gRPC stream. A client that goes away makes Envoy reset
 the stream; grpc.aio then cancels the handler task, and the prefill call awaited inside it is
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -20,10 +21,13 @@ from grpc_health.v1._async import HealthServicer
 
 from extproc import envoy_messages as msg
 from extproc.adapters import build_adapter
-from extproc.config import Settings
+from extproc.config import ConfigError, Settings
 from extproc.errors import Code
-from extproc.processor import Admission, PdProcessor
-from extproc.upstream import PrefillClient, PrefillLimits
+from extproc.httpserver import HttpServer, Request, Response
+from extproc.metrics import Metrics
+from extproc.prefill_policy import PrefillPolicy
+from extproc.processor import Admission, PdProcessor, Pending
+from extproc.upstream import PrefillClient, PrefillLimits, PrefillTls, tls_context
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -37,25 +41,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         head: msg.RequestHead | None = None
+        pending: Pending | None = None
         async for request in request_iterator:
             kind = request.WhichOneof("request")
             if kind == "request_headers":
                 head = msg.head_from_headers(request.request_headers)
-                refusal = self._processor.refuse_head(head)
-                if refusal is None and request.request_headers.end_of_stream:
-                    refusal = msg.error_reply(Code.INVALID_REQUEST_BODY, 400)  # a P/D POST without a body
-                if refusal is not None:
-                    yield refusal
+                outcome = await self._processor.on_headers(head)
+                if isinstance(outcome, pb.ProcessingResponse):
+                    yield outcome
+                    return
+                pending = outcome
+                if request.request_headers.end_of_stream:  # a P/D POST without a body
+                    yield self._processor.refuse_now(pending, Code.INVALID_REQUEST_BODY)
                     return
                 yield msg.continue_headers()
             elif kind == "request_body":
-                if head is None and msg.ATTR_NAMESPACE in request.attributes:
-                    head = msg.head_from_attributes(request.attributes[msg.ATTR_NAMESPACE])
-                if head is None:
-                    log.error("request body arrived without headers or attributes: check the Envoy config")
+                if head is None or pending is None:
+                    log.error("request body arrived before its headers: check the Envoy processing mode")
                     yield msg.error_reply(Code.INTERNAL_ERROR, 500)
                     return
-                yield await self._processor.on_body(head, request.request_body.body)
+                yield await self._processor.on_body(head, pending, request.request_body.body)
             elif kind is not None:
                 # Not configured to arrive; answer so Envoy does not treat the stream as broken.
                 response = pb.ProcessingResponse()
@@ -63,26 +68,38 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield response
 
 
+def _prefill_tls(settings: Settings) -> PrefillTls | None:
+    if not settings.prefill_tls:
+        return None
+    try:
+        context = tls_context(settings.prefill_ca_file, settings.prefill_cert_file, settings.prefill_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"prefill TLS files cannot be loaded: {exc}") from None
+    return PrefillTls(context, settings.prefill_server_name)
+
+
 class ExtProcServer:
-    """The server and everything it owns, built from Settings."""
+    """The server and everything it owns, built from Settings. Construct inside the running loop."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.metrics = Metrics()
         self.admission = Admission(limit=settings.max_inflight)
+        self.policy = PrefillPolicy(settings.prefill_allow, allow_loopback=settings.demo)
         self.prefill = PrefillClient(PrefillLimits(
             connect_timeout=settings.prefill_connect_timeout,
             read_timeout=settings.prefill_read_timeout,
             deadline=settings.prefill_deadline,
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
-        ))
+        ), self.policy, _prefill_tls(settings))
         self.processor = PdProcessor(
-            build_adapter(settings.adapter, settings.protocol),
-            self.prefill,
-            settings.max_request_bytes,
-            self.admission,
+            build_adapter(settings.adapter, settings.protocol), self.prefill, settings.max_request_bytes,
+            self.admission, self.metrics,
         )
         self.health = HealthServicer()
+        self.http = HttpServer(self._http)
+        self.metrics_port = 0
         limit = settings.grpc_max_message_bytes
         self.grpc = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
@@ -103,34 +120,51 @@ class ExtProcServer:
         host = f"[{listen.host}]" if ":" in listen.host else listen.host
         return f"{host}:{self.bound_port}"
 
+    async def _http(self, request: Request) -> Response:
+        if request.path == "/metrics":
+            return Response(200, self.metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        if request.path == "/healthz":
+            return Response(200, b'{"status":"ok"}')
+        if request.path == "/readyz":
+            if self.admission.draining:
+                return Response(503, b'{"status":"draining"}')
+            return Response(200, b'{"status":"ready"}')
+        return Response(404, b'{"status":"not found"}')
+
     async def start(self) -> None:
         await self.grpc.start()
+        self.metrics_port = await self.http.start(self.settings.metrics_listen.host, self.settings.metrics_listen.port)
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if not self.policy.explicit:
+            log.warning("no prefill allow-list (PD_EXTPROC_PREFILL_ALLOW): any non-loopback, non-link-local "
+                        "unicast address may be a prefill target; an explicit list is recommended")
 
     async def drain(self) -> None:
-        """Stop taking new P/D requests, let in-flight ones finish within the grace period, stop."""
+        """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them."""
         self.admission.draining = True
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.grpc.stop(self.settings.drain_timeout)
         await self.prefill.aclose()
+        await self.http.close()
 
 
-async def serve(settings: Settings, on_ready: Callable[[str], None] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain."""
+async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain. A second signal stops at once."""
     server = ExtProcServer(settings)
     await server.start()
-    log.info("ext_proc server listening", extra={"address": server.address, "settings": settings.describe()})
+    log.info("ext_proc server listening", extra={
+        "address": server.address, "metrics_port": server.metrics_port, "settings": settings.describe()})
     if on_ready is not None:
-        on_ready(server.address)
+        on_ready(server.address, server.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("draining", extra={"grace_seconds": settings.drain_timeout})
+    log.info("draining", extra={"grace_seconds": settings.drain_timeout, "inflight": server.admission.inflight})
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)  # a second signal now stops at once (default action)
+        loop.remove_signal_handler(sig)
     await server.drain()
     log.info("stopped")

@@ -24,6 +24,11 @@ from extproc.envoy_config import render_yaml
 from extproc.units import parse_address
 
 REPO = Path(__file__).resolve().parents[1]
+# What an operator of this test "cluster" would configure: loopback workers are the allowed targets.
+TEST_DEFAULTS = {
+    "PD_EXTPROC_PREFILL_ALLOW": "127.0.0.0/8:*,[::1]/128:*",
+    "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0",
+}
 
 
 def envoy_bin() -> str:
@@ -97,6 +102,7 @@ class Stack:
     log_dir: Path
     workers: dict[str, Worker]
     server: stack.Child | None = None
+    metrics_url: str = ""
     envoy: stack.EnvoyProcess | None = None
     url: str = ""
 
@@ -119,7 +125,8 @@ class Stack:
         self.server = stack.python_child("pd-extproc", ["serve"], {**os.environ, **stack.settings_env(self.settings)},
                                          self.log_dir)
         self.server.start()
-        self.server.wait_ready(30)
+        ready = self.server.wait_ready(30).split()
+        self.metrics_url = f"http://127.0.0.1:{ready[4]}"
 
     def reset(self) -> None:
         for worker in self.workers.values():
@@ -149,7 +156,7 @@ def running_stack(env: Mapping[str, str] | None = None, workers: tuple[tuple[str
         ("prefill", "prefill"), ("decode", "decode")), grpc_unix: bool = False) -> Iterator[Stack]:
     """Start workers, then our server, then Envoy (that order: each needs the previous one's address)."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-test-"))
-    settings = load_settings({"PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}, {})
+    settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}, {})
     running = Stack(settings, log_dir, {name: Worker(name, role, log_dir) for name, role in workers})
     try:
         for worker in running.workers.values():

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from extproc.emulator.httpserver import Request, Response
+from extproc.httpserver import Request, Response
 
 _INLINE_JSON_LIMIT = 2 << 20
 

@@ -27,7 +27,7 @@ import orjson
 
 from extproc.emulator import text
 from extproc.emulator.control import Control, Received
-from extproc.emulator.httpserver import HttpServer, RawResponse, Reply, Request, Response, StreamResponse
+from extproc.httpserver import HttpServer, RawResponse, Reply, Request, Response, StreamResponse
 
 VLLM_VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VLLM_VERSION}-emulated"

@@ -1,4 +1,4 @@
-"""A small asyncio HTTP/1.1 server on h11 for the emulated engines.
+"""A small asyncio HTTP/1.1 server on h11: our metrics and health endpoints, and the emulated engines.
 
 It notices a client that closes its connection while a handler is still working (the handler task
 is cancelled and ``on_disconnect`` is told), which is what cancellation tests observe. Handlers can
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -77,8 +78,8 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, backlog=4096)
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, backlog=4096, ssl=tls)
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:

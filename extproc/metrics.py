@@ -1,0 +1,79 @@
+"""Prometheus metrics: what only this server can see (Envoy already counts requests and bytes).
+
+Every metric is updated once per request, from its RequestRecord, when the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_SIZE_BUCKETS = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One P/D request as the log line and the metrics see it. Never bodies or header values."""
+
+    request_id: str
+    adapter: str
+    started: float
+    outcome: str = "ok"
+    status: int = 200
+    prefill_status: int | None = None
+    prefill_connect_seconds: float | None = None  # only when a new connection was opened
+    prefill_response_seconds: float | None = None  # until the response head
+    prefill_seconds: float | None = None  # the whole leg, body read included
+    body_bytes: int | None = None
+    prefill_response_bytes: int | None = None
+    handoff_problem: str | None = None  # a field name from the adapter's fixed list
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "pd_extproc_requests", "P/D requests by adapter and outcome (ok, an error code, or cancelled).",
+            ["adapter", "outcome"], registry=self.registry)
+        self.prefill_seconds = Histogram(
+            "pd_extproc_prefill_seconds",
+            "Prefill leg latency: connect (new connections only), response (until the response head), total.",
+            ["adapter", "phase"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.processing_seconds = Histogram(
+            "pd_extproc_processing_seconds", "Time spent in this server per P/D request, excluding the prefill leg.",
+            ["adapter"], buckets=_OVERHEAD_BUCKETS, registry=self.registry)
+        self.handoff_failures = Counter(
+            "pd_extproc_handoff_failures", "Invalid prefill handoffs by reason (the offending field).",
+            ["adapter", "reason"], registry=self.registry)
+        self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
+                              registry=self.registry)
+        self.request_bytes = Histogram(
+            "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
+            buckets=_SIZE_BUCKETS, registry=self.registry)
+        self.prefill_response_bytes = Histogram(
+            "pd_extproc_prefill_response_bytes", "Prefill response body sizes.", ["adapter"],
+            buckets=_SIZE_BUCKETS, registry=self.registry)
+
+    def finish(self, record: RequestRecord, total_seconds: float) -> None:
+        adapter = record.adapter
+        self.requests.labels(adapter, record.outcome).inc()
+        if record.prefill_connect_seconds is not None:
+            self.prefill_seconds.labels(adapter, "connect").observe(record.prefill_connect_seconds)
+        if record.prefill_response_seconds is not None:
+            self.prefill_seconds.labels(adapter, "response").observe(record.prefill_response_seconds)
+        if record.prefill_seconds is not None:
+            self.prefill_seconds.labels(adapter, "total").observe(record.prefill_seconds)
+        self.processing_seconds.labels(adapter).observe(max(0.0, total_seconds - (record.prefill_seconds or 0.0)))
+        if record.handoff_problem is not None:
+            self.handoff_failures.labels(adapter, record.handoff_problem).inc()
+        if record.body_bytes is not None:
+            self.request_bytes.labels(adapter).observe(record.body_bytes)
+        if record.prefill_response_bytes is not None:
+            self.prefill_response_bytes.labels(adapter).observe(record.prefill_response_bytes)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
