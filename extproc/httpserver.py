@@ -212,8 +212,13 @@ class HttpServer:
                     chunk = await step
                 except StopAsyncIteration:
                     break
-                writer.write(conn.send(h11.Data(data=chunk)) or b"")
-                await writer.drain()
+                try:
+                    writer.write(conn.send(h11.Data(data=chunk)) or b"")
+                    await writer.drain()
+                except ConnectionError:  # the client left while we were writing
+                    if self._on_disconnect is not None:
+                        self._on_disconnect(request)
+                    return False
         finally:
             if not watch.done():
                 watch.cancel()

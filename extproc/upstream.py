@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from extproc.adapters.base import PrefillReply
 from extproc.errors import Code, PdError
@@ -153,7 +154,8 @@ class PrefillClient:
 
     async def _exchange(self, resolved: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
                         record: RequestRecord, started: float) -> PrefillReply:
-        url = f"{self._scheme}://{resolved.connect_authority}{path}"
+        # encoded=True: the client's path and query go out exactly as received (no re-quoting of %2F).
+        url = URL(f"{self._scheme}://{resolved.connect_authority}{path}", encoded=True)
         server_name = None
         if self._tls is not None:
             server_name = self._tls.server_name or resolved.target.host

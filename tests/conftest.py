@@ -26,7 +26,8 @@ def stack(pd: Stack) -> Stack:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
     if report.when == "call" and report.failed:
-        for name in ("stack", "pd", "short_deadline", "unix_stack", "adapter_none", "target_stack"):
+        for name in ("stack", "short", "unix_stack", "adapter_none", "no_decode", "ipv6_stack", "trap_stack",
+                     "pd", "short_deadline", "target_stack"):
             fixture = getattr(item, "funcargs", {}).get(name)
             if isinstance(fixture, Stack):
                 report.sections.append((f"logs of {name}", fixture.logs()))

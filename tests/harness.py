@@ -44,8 +44,9 @@ class Worker:
 
     def __init__(self, name: str, role: str, log_dir: Path, engine: str = "vllm", extra: tuple[str, ...] = ()):
         self.name = name
+        listen = () if "--listen" in extra else ("--listen", "127.0.0.1:0")
         self.child = stack.python_child(name, [
-            "emulate", "--engine", engine, "--role", role, "--listen", "127.0.0.1:0", "--worker-id", name, *extra,
+            "emulate", "--engine", engine, "--role", role, *listen, "--worker-id", name, *extra,
         ], os.environ, log_dir)
         self.child.start()
         self.url = ""
@@ -151,13 +152,20 @@ class Stack:
             worker.stop()
 
 
+WorkerSpec = tuple[str, str] | tuple[str, str, tuple[str, ...]]
+DEFAULT_WORKERS: tuple[WorkerSpec, ...] = (("prefill", "prefill"), ("decode", "decode"))
+
+
 @contextlib.contextmanager
-def running_stack(env: Mapping[str, str] | None = None, workers: tuple[tuple[str, str], ...] = (
-        ("prefill", "prefill"), ("decode", "decode")), grpc_unix: bool = False) -> Iterator[Stack]:
-    """Start workers, then our server, then Envoy (that order: each needs the previous one's address)."""
+def running_stack(env: Mapping[str, str] | None = None, workers: tuple[WorkerSpec, ...] = DEFAULT_WORKERS,
+                  grpc_unix: bool = False) -> Iterator[Stack]:
+    """Start workers, then our server, then Envoy (that order: each needs the previous one's address).
+    Without a "decode" worker, PD_EXTPROC_DECODE from ``env`` is used as is."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-test-"))
     settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}, {})
-    running = Stack(settings, log_dir, {name: Worker(name, role, log_dir) for name, role in workers})
+    running = Stack(settings, log_dir, {
+        spec[0]: Worker(spec[0], spec[1], log_dir, extra=spec[2] if len(spec) > 2 else ())  # type: ignore[misc]
+        for spec in workers})
     try:
         for worker in running.workers.values():
             worker.wait_ready()

@@ -128,7 +128,7 @@ class VllmEmulator:
             return Response(404, error_json(404, "Not Found", "NotFoundError"))
         behaviour = self.control.next_behaviour()
         received.notes["behaviour"] = behaviour
-        misbehaviour = await self._misbehave(behaviour)
+        misbehaviour = await self._misbehave(behaviour, request)
         if misbehaviour is not None:
             return misbehaviour
         try:
@@ -204,7 +204,7 @@ class VllmEmulator:
             return int(body["max_tokens"])
         return DEFAULT_MAX_TOKENS
 
-    async def _misbehave(self, behaviour: dict[str, Any]) -> Reply | None:
+    async def _misbehave(self, behaviour: dict[str, Any], request: Request) -> Reply | None:
         """Scripted failures, before any normal processing."""
         if "delay" in behaviour:
             await asyncio.sleep(float(behaviour["delay"]))
@@ -212,7 +212,15 @@ class VllmEmulator:
             await asyncio.Event().wait()
         if "status" in behaviour:
             status = int(behaviour["status"])
-            return Response(status, error_json(status, "emulated failure", "EmulatedError"))
+            message = "emulated failure"
+            if behaviour.get("echo_request"):  # like an engine that quotes the request in its error
+                message += ": " + request.body.decode(errors="replace")
+            return Response(status, error_json(status, message, "EmulatedError"))
+        if "sse_raw" in behaviour:
+            return StreamResponse(_pieces(str(behaviour["sse_raw"]).encode(), str(behaviour.get("chunking", "event")),
+                                          float(behaviour.get("token_interval", 0))))
+        if "chunked_pad_bytes" in behaviour:
+            return StreamResponse(_chunked_json(int(behaviour["chunked_pad_bytes"])), content_type="application/json")
         if "raw_body" in behaviour:
             return Response(200, str(behaviour["raw_body"]).encode(),
                             content_type=str(behaviour.get("content_type", "application/json")))
@@ -423,6 +431,31 @@ class VllmEmulator:
             f"emulator_kv_leases_freed_total{labels} {float(c.leases_freed)}",
         ]
         return "\n".join(lines) + "\n"
+
+
+async def _pieces(data: bytes, chunking: str, interval: float) -> AsyncIterator[bytes]:
+    """``data`` as written by an engine whose writes are cut at ``chunking`` boundaries."""
+    if chunking == "whole":
+        pieces = [data]
+    elif chunking == "byte":
+        pieces = [data[i:i + 1] for i in range(len(data))]
+    elif chunking == "split":  # boundaries that cut through events and through "\n\n"
+        pieces = [data[i:i + 7] for i in range(0, len(data), 7)]
+    else:
+        pieces = [event + b"\n\n" for event in data.split(b"\n\n") if event]
+    for piece in pieces:
+        if interval:
+            await asyncio.sleep(interval)
+        yield piece
+
+
+async def _chunked_json(pad_bytes: int) -> AsyncIterator[bytes]:
+    """A valid JSON object of about ``pad_bytes``, sent in 64 KiB chunks with no Content-Length."""
+    yield b'{"padding": "'
+    chunk = b"x" * (64 << 10)
+    for _ in range(pad_bytes // len(chunk)):
+        yield chunk
+    yield b'"}'
 
 
 def _edit_handoff(handoff: dict[str, Any], behaviour: dict[str, Any]) -> dict[str, Any]:
