@@ -60,10 +60,11 @@ def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc import emulator
 
     logging.basicConfig(level=logging.WARNING)
+    tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     asyncio.run(emulator.run(
         args.engine, args.role, parse_address(args.listen, allow_port_zero=True),
         parse_address(args.side_channel, allow_port_zero=True), args.model, args.worker_id,
-        args.block_size, parse_duration(args.lease),
+        args.block_size, parse_duration(args.lease), tls,
     ))
     return 0
 
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--worker-id", default="")
     emulate.add_argument("--block-size", type=int, default=16)
     emulate.add_argument("--lease", default="30s", help="how long a producer holds unread KV blocks")
+    emulate.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
+    emulate.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
+    emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     emulate.set_defaults(run=cmd_emulate)
     return parser
 

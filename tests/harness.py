@@ -12,7 +12,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,26 @@ def envoy_bin() -> str:
     return str(local) if local.exists() else "envoy"
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    name: str
+    role: str
+    extra: tuple[str, ...] = ()
+    http_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # for the control client (TLS)
+
+
+DEFAULT_WORKERS = (WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"))
+
+
 class Worker:
     """An emulated engine process and a client for its /_emulator control endpoints."""
 
-    def __init__(self, name: str, role: str, log_dir: Path, engine: str = "vllm", extra: tuple[str, ...] = ()):
-        self.name = name
-        listen = () if "--listen" in extra else ("--listen", "127.0.0.1:0")
-        self.child = stack.python_child(name, [
-            "emulate", "--engine", engine, "--role", role, *listen, "--worker-id", name, *extra,
+    def __init__(self, spec: WorkerSpec, log_dir: Path, engine: str = "vllm"):
+        self.name = spec.name
+        self.http_kwargs = dict(spec.http_kwargs)
+        listen = () if "--listen" in spec.extra else ("--listen", "127.0.0.1:0")
+        self.child = stack.python_child(spec.name, [
+            "emulate", "--engine", engine, "--role", spec.role, *listen, "--worker-id", spec.name, *spec.extra,
         ], os.environ, log_dir)
         self.child.start()
         self.url = ""
@@ -54,13 +66,13 @@ class Worker:
 
     def wait_ready(self) -> None:
         line = self.child.wait_ready(30)
+        self.http = httpx.Client(base_url=line.split()[1], timeout=30, **self.http_kwargs)
         self.url = line.split()[1]
         self.side_channel_port = int(line.split("side_channel=")[1])
-        self.http = httpx.Client(base_url=self.url, timeout=30)
 
     @property
     def address(self) -> str:
-        return self.url.removeprefix("http://")
+        return self.url.split("://", 1)[1]
 
     def reset(self) -> None:
         self.http.post("/_emulator/reset").raise_for_status()
@@ -152,23 +164,23 @@ class Stack:
             worker.stop()
 
 
-WorkerSpec = tuple[str, str] | tuple[str, str, tuple[str, ...]]
-DEFAULT_WORKERS: tuple[WorkerSpec, ...] = (("prefill", "prefill"), ("decode", "decode"))
 
 
 @contextlib.contextmanager
 def running_stack(env: Mapping[str, str] | None = None, workers: tuple[WorkerSpec, ...] = DEFAULT_WORKERS,
-                  grpc_unix: bool = False) -> Iterator[Stack]:
+                  grpc_unix: bool = False,
+                  env_from_workers: Callable[[dict[str, Worker]], dict[str, str]] | None = None) -> Iterator[Stack]:
     """Start workers, then our server, then Envoy (that order: each needs the previous one's address).
     Without a "decode" worker, PD_EXTPROC_DECODE from ``env`` is used as is."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-test-"))
     settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}, {})
-    running = Stack(settings, log_dir, {
-        spec[0]: Worker(spec[0], spec[1], log_dir, extra=spec[2] if len(spec) > 2 else ())  # type: ignore[misc]
-        for spec in workers})
+    running = Stack(settings, log_dir, {spec.name: Worker(spec, log_dir) for spec in workers})
     try:
         for worker in running.workers.values():
             worker.wait_ready()
+        if env_from_workers is not None:
+            settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {}),
+                                      **env_from_workers(running.workers)}, {})
         grpc_listen = f"unix:{log_dir}/extproc.sock" if grpc_unix else "127.0.0.1:0"
         running.settings = dataclasses.replace(
             settings,

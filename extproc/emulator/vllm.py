@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -89,9 +90,9 @@ class VllmEmulator:
         self.side_channel = HttpServer(self.handle_side_channel)
         self._client: aiohttp.ClientSession | None = None
 
-    async def start(self, host: str, port: int, side_port: int) -> int:
+    async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int:
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
-        bound = await self.http.start(host, port)
+        bound = await self.http.start(host, port, tls)
         if self.role != "decode":
             self.side_port = await self.side_channel.start(self.side_host, side_port)
         self.control.info.update({"side_channel_port": self.side_port, "port": bound})

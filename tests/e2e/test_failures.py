@@ -21,7 +21,7 @@ import pytest
 
 from extproc.emulator import text
 from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, only, post
-from tests.harness import Stack, running_stack
+from tests.harness import Stack, WorkerSpec, running_stack
 
 pytestmark = pytest.mark.dataplane
 
@@ -212,7 +212,8 @@ def test_client_that_stalls_its_body_gets_a_json_408(short: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def no_decode() -> Iterator[Stack]:
-    with running_stack({"PD_EXTPROC_DECODE": f"127.0.0.1:{closed_port()}"}, workers=(("prefill", "prefill"),)) as s:
+    with running_stack({"PD_EXTPROC_DECODE": f"127.0.0.1:{closed_port()}"},
+                       workers=(WorkerSpec("prefill", "prefill"),)) as s:
         yield s
 
 
@@ -330,7 +331,8 @@ def test_c27_concurrent_requests_sharing_a_request_id_never_cross_handoffs(stack
 
 @pytest.fixture(scope="module")
 def ipv6_stack() -> Iterator[Stack]:
-    workers = (("prefill", "prefill", ("--listen", "[::1]:0", "--side-channel", "[::1]:0")), ("decode", "decode"))
+    workers = (WorkerSpec("prefill", "prefill", ("--listen", "[::1]:0", "--side-channel", "[::1]:0")),
+               WorkerSpec("decode", "decode"))
     with running_stack(workers=workers) as stack:
         yield stack
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from extproc.emulator import text
-from tests.harness import Stack, running_stack
+from tests.harness import Stack, WorkerSpec, running_stack
 
 pytestmark = pytest.mark.dataplane
 
@@ -330,7 +330,8 @@ def test_c14_remote_request_id_is_forwarded_unchanged(stack: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def trap_stack() -> Any:
-    with running_stack(workers=(("prefill", "prefill"), ("decode", "decode"), ("trap", "decode"))) as stack:
+    workers = (WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"), WorkerSpec("trap", "decode"))
+    with running_stack(workers=workers) as stack:
         yield stack
 
 

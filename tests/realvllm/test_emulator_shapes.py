@@ -1,0 +1,159 @@
+"""The emulated vLLM worker (extproc/emulator/vllm.py) against the real one, request for request.
+
+Every end-to-end contract test runs against the emulator, so it must not drift from the engine it
+stands for: the same request to a real and to an emulated worker must give responses with the same
+keys and JSON types (prefill responses with their handoff, decode responses, validation and
+KV-load-failure errors), and streams with the same SSE framing and the same sequence of chunk shapes.
+Values (ids, generated text, token counts) legitimately differ and are not compared.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import Worker
+from tests.realvllm.engine import free_ports
+from tests.realvllm.stage import RealPd, Reply, send
+from tests.realvllm.wire import (
+    CHAT,
+    COMPLETIONS,
+    PATHS,
+    Shape,
+    SseStream,
+    collapsed_shapes,
+    prefill_leg_body,
+    request_body,
+    shape,
+    shape_diff,
+)
+
+pytestmark = pytest.mark.realvllm
+
+PATH_IDS = ["chat", "completions"]
+
+
+class EmulatedPair:
+    def __init__(self, prefill: Worker, decode: Worker) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.prefill_http = httpx.Client(base_url=prefill.url, timeout=30)
+        self.decode_http = httpx.Client(base_url=decode.url, timeout=30)
+
+    def direct_pd(self, path: str, body: dict[str, Any]) -> tuple[Reply, Reply]:
+        prefill = send(self.prefill_http, path, prefill_leg_body(path, body))
+        assert prefill.status == 200, prefill.body[:300]
+        decode = send(self.decode_http, path, {**body, "kv_transfer_params": prefill.json()["kv_transfer_params"]})
+        return prefill, decode
+
+    def close(self) -> None:
+        self.prefill_http.close()
+        self.decode_http.close()
+
+
+@pytest.fixture(scope="module")
+def emulated(real_pd: RealPd) -> Iterator[EmulatedPair]:
+    """An emulated prefill and decode worker serving the real workers' model name."""
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-emulated-shapes-"))
+    model = ("--model", real_pd.model)
+    workers = [Worker("emulated-prefill", "prefill", log_dir, extra=model),
+               Worker("emulated-decode", "decode", log_dir, extra=model)]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        pair = EmulatedPair(*workers)
+        yield pair
+        pair.close()
+    finally:
+        for worker in workers:
+            worker.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def assert_same_shape(real: Any, emulated: Any, what: str) -> None:
+    assert shape(emulated) == shape(real), f"{what}: the emulator drifted from vLLM\n" + \
+        shape_diff(shape(real), shape(emulated), "real vLLM", "emulator")
+
+
+def assert_same_stream(real: Reply, emulated: Reply, what: str) -> None:
+    """Same status, media type, SSE framing, and the same sequence of chunk shapes."""
+    assert (emulated.status, emulated.media_type) == (real.status, real.media_type), what
+    real_stream, emulated_stream = SseStream.parse(real.body), SseStream.parse(emulated.body)
+    assert real_stream.ends_with_done and emulated_stream.ends_with_done, what
+    real_shapes: list[Shape] = collapsed_shapes(real_stream.chunks())
+    emulated_shapes: list[Shape] = collapsed_shapes(emulated_stream.chunks())
+    details = [shape_diff(r, e, "real vLLM", "emulator") for r, e in zip(real_shapes, emulated_shapes, strict=False)]
+    assert emulated_shapes == real_shapes, (
+        f"{what}: chunk shapes differ ({len(real_shapes)} distinct runs real, {len(emulated_shapes)} emulated)\n"
+        + "\n".join(f"chunk run {i}: {d}" for i, d in enumerate(details)))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_prefill_and_decode_responses_have_the_real_shape(real_pd: RealPd, emulated: EmulatedPair, path: str) -> None:
+    """The producer response (with its 14-field handoff) and the decode response, non-streaming."""
+    body = request_body(path, real_pd.model, f"shape of the responses on {path}")
+    real_prefill, real_decode = real_pd.direct_pd(path, body)
+    emulated_prefill, emulated_decode = emulated.direct_pd(path, body)
+    for real, fake, what in ((real_prefill, emulated_prefill, "prefill response"),
+                             (real_decode, emulated_decode, "decode response")):
+        assert (fake.status, fake.media_type) == (real.status, real.media_type) == (200, "application/json"), what
+        assert_same_shape(real.json(), fake.json(), f"{path} {what}")
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no-usage", "include-usage"])
+@pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)
+def test_decode_streams_have_the_real_framing_and_chunk_shapes(
+        real_pd: RealPd, emulated: EmulatedPair, path: str, include_usage: bool) -> None:
+    """SSE: data-only events, blank-line separated, one [DONE] last; role/content/final/usage chunks alike."""
+    extra: dict[str, Any] = {"stream": True}
+    if include_usage:
+        extra["stream_options"] = {"include_usage": True}
+    body = request_body(path, real_pd.model, f"shape of the stream on {path} usage={include_usage}", **extra)
+    _, real = real_pd.direct_pd(path, body)
+    _, fake = emulated.direct_pd(path, body)
+    assert real.status == 200, real.body[:300]
+    assert_same_stream(real, fake, f"{path} stream (include_usage={include_usage})")
+
+
+def test_validation_error_has_the_real_shape(real_pd: RealPd, emulated: EmulatedPair) -> None:
+    """A request vLLM refuses (min_tokens above max_tokens): same status, same error object."""
+    body = request_body(COMPLETIONS, real_pd.model, "min above max", min_tokens=5, max_tokens=1)
+    real = send(real_pd.decode.http, COMPLETIONS, body)
+    fake = send(emulated.decode_http, COMPLETIONS, body)
+    assert (fake.status, fake.media_type) == (real.status, real.media_type) == (400, "application/json")
+    assert_same_shape(real.json(), fake.json(), "400 error")
+
+
+def failing_handoff() -> dict[str, Any]:
+    """A well-formed handoff whose producer side channel does not exist: the KV load must fail."""
+    (dead_port,) = free_ports(1)
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[7]],
+            "remote_engine_id": "00000000-0000-4000-8000-00000000dead", "remote_request_id": "cmpl-dead-0-00000000",
+            "remote_host": "127.0.0.1", "remote_port": dead_port, "tp_size": 1}
+
+
+@pytest.mark.realvllm(phase="late")
+@pytest.mark.parametrize("path,stream", [(CHAT, False), (CHAT, True), (COMPLETIONS, True)],
+                         ids=["chat-json", "chat-sse", "completions-sse"])
+def test_kv_load_failure_has_the_real_shape(real_pd: RealPd, emulated: EmulatedPair, path: str, stream: bool) -> None:
+    """kv_load_failure_policy=fail: a handoff that cannot be loaded is a 500 (JSON), or an error event
+    inside a 200 stream. Costs the real decode one failed transfer each (counted in the ledger)."""
+    body = request_body(path, real_pd.model, f"nothing to load on {path}", stream=stream,
+                        kv_transfer_params=failing_handoff())
+    real_pd.ledger.deliberate_load_failures += 1
+    real = send(real_pd.decode.http, path, body)
+    fake = send(emulated.decode_http, path, body)
+    if stream:
+        assert_same_stream(real, fake, f"{path} stream after a failed KV load")
+        errors = [c for c in SseStream.parse(real.body).chunks() if "error" in c]
+        assert [e["error"]["code"] for e in errors] == [500]
+    else:
+        assert (fake.status, fake.media_type) == (real.status, real.media_type) == (500, "application/json")
+        assert fake.json() == real.json(), "the fail-policy error body is a fixed text"
+    assert real_pd.decode.http.get("/health").status_code == 200, "decode stays healthy after a failed load"

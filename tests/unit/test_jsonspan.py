@@ -1,0 +1,59 @@
+"""jsonspan: member spans of real documents, and edits that equal dict edits (property-based)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc import jsonspan
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+objects = st.dictionaries(st.text(max_size=12), json_values, max_size=8)
+
+
+def test_members_of_a_document_with_whitespace_escapes_and_nesting() -> None:
+    raw = b' {\n "a" : [1, {"x": "]}\\"{"}],\t"b\\u0022c":"s\\\\", "n": -1.5e3 , "o": {} }  '
+    spans = jsonspan.members(raw)
+    assert [m.name for m in spans] == ["a", 'b"c', "n", "o"]
+    assert [jsonspan.value_bytes(raw, m) for m in spans] == [b'[1, {"x": "]}\\"{"}]', b'"s\\\\"', b"-1.5e3", b"{}"]
+
+
+def test_empty_object_has_no_members() -> None:
+    assert jsonspan.members(b" { } ") == []
+
+
+def test_rebuild_replaces_drops_and_appends_keeping_other_bytes() -> None:
+    raw = b'{"keep": 1.0, "drop": true, "swap": 3, "big": 123456789012345678901234567890}'
+    out = jsonspan.rebuild(raw, jsonspan.members(raw), {"drop": None, "swap": b"4"}, [("new", b"[1]")])
+    assert out == b'{"keep": 1.0,"swap":4,"big": 123456789012345678901234567890,"new":[1]}'
+
+
+def test_an_escaped_key_cannot_hide_from_an_edit() -> None:
+    raw = b'{"str\\u0065am": true}'
+    out = jsonspan.rebuild(raw, jsonspan.members(raw), {"stream": b"false"})
+    assert json.loads(out) == {"stream": False}
+
+
+@settings(max_examples=300, deadline=None)
+@given(objects, st.sampled_from([None, 1, 2]), st.data())
+def test_edits_on_bytes_equal_edits_on_the_parsed_object(obj: dict[str, Any], indent: int | None,
+                                                         data: st.DataObject) -> None:
+    raw = json.dumps(obj, indent=indent, ensure_ascii=data.draw(st.booleans())).encode()
+    spans = jsonspan.members(raw)
+    assert [m.name for m in spans] == list(obj)
+    for member in spans:
+        assert json.loads(jsonspan.value_bytes(raw, member)) == json.loads(json.dumps(obj[member.name]))
+    keys = list(obj)
+    dropped = set(data.draw(st.lists(st.sampled_from(keys), max_size=3))) if keys else set()
+    replace: dict[str, bytes | None] = {key: None for key in dropped}
+    out = jsonspan.rebuild(raw, spans, replace, [("appended\u00e9", b'{"v": [1, 2.5]}')])
+    expected = {k: v for k, v in obj.items() if k not in dropped}
+    expected["appended\u00e9"] = {"v": [1, 2.5]}
+    assert json.loads(out) == json.loads(json.dumps(expected))
