@@ -31,6 +31,7 @@ from extproc.upstream import PrefillClient, PrefillLimits, PrefillTls, tls_conte
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_NOTICE = 2.0  # seconds NOT_SERVING is visible before the listener closes (2 x Envoy's check interval)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -141,11 +142,17 @@ class ExtProcServer:
                         "unicast address may be a prefill target; an explicit list is recommended")
 
     async def drain(self) -> None:
-        """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them."""
+        """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them.
+
+        Health goes NOT_SERVING first and the gRPC listener stays up for HEALTH_NOTICE seconds, so
+        Envoy's health checker (1 s interval) sees it and stops sending; a P/D stream that still
+        arrives gets a JSON 503 pd_shutting_down rather than a transport error."""
         self.admission.draining = True
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.grpc.stop(self.settings.drain_timeout)
+        notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
+        await asyncio.sleep(notice)  # in-flight requests carry on meanwhile
+        await self.grpc.stop(self.settings.drain_timeout - notice)
         await self.prefill.aclose()
         await self.http.close()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import ssl
 import time
@@ -36,8 +37,12 @@ DEFAULT_MAX_TOKENS = 16
 REQUIRED_FOR_LOAD = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+def _error_object(status: int, message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
 def error_json(status: int, message: str, kind: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return orjson.dumps(_error_object(status, message, kind))
 
 
 def _bad_request(message: str) -> Response:
@@ -91,7 +96,7 @@ class VllmEmulator:
         self._client: aiohttp.ClientSession | None = None
 
     async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int:
-        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0))
         bound = await self.http.start(host, port, tls)
         if self.role != "decode":
             self.side_port = await self.side_channel.start(self.side_host, side_port)
@@ -159,7 +164,7 @@ class VllmEmulator:
         self.counters.prompt_tokens += prompt_tokens
         if load_error:
             if body.get("stream") is True:
-                return StreamResponse(self._error_stream(), status=200)
+                return StreamResponse(self._error_stream(chat), status=200)
             return Response(500, error_json(500, "Internal server error", "InternalServerError"))
         self.counters.generation_tokens += len(tokens)
         self.counters.requests_ok += 1
@@ -239,23 +244,25 @@ class VllmEmulator:
     # --- responses --------------------------------------------------------------------------------
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The usage object of a stream's usage chunk; a full response adds the (null) details."""
         return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+                "completion_tokens": completion_tokens}
 
     def _full_response(self, request_id: str, chat: bool, tokens: list[str],
                        prompt_tokens: int) -> dict[str, Any]:
         content = "".join(tokens)
         choice: dict[str, Any]
-        if chat:
+        if chat:  # vLLM 0.32 leaves an empty tool_calls out of the message
             choice = {"index": 0, "message": {"role": "assistant", "content": content, "refusal": None,
                                               "annotations": None, "audio": None, "function_call": None,
-                                              "tool_calls": [], "reasoning": None},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None}
+                                              "reasoning": None},
+                      "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                      "routed_experts": None}
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": "length",
                       "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
-                      "prompt_token_ids": None}
-        return {
+                      "prompt_token_ids": None, "routed_experts": None}
+        response: dict[str, Any] = {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -263,42 +270,43 @@ class VllmEmulator:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": FINGERPRINT,
-            "usage": self._usage(prompt_tokens, len(tokens)),
-            "prompt_logprobs": None,
-            "prompt_token_ids": None,
-            "kv_transfer_params": None,
+            "usage": {**self._usage(prompt_tokens, len(tokens)), "prompt_tokens_details": None,
+                      "completion_tokens_details": None},
         }
+        if chat:  # prompt echo fields are top-level on chat, per choice on completions
+            response.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        response.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return response
 
     async def _stream(self, request_id: str, chat: bool, tokens: list[str], prompt_tokens: int,
                       include_usage: bool, behaviour: dict[str, Any]) -> AsyncIterator[bytes]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         interval = float(behaviour.get("token_interval", 0))
-        events: list[dict[str, Any]] = []
+        # Chunks as vLLM 0.32 writes them: chat opens with a role chunk carrying the (null) prompt echo
+        # fields; the finishing chunk adds stop_reason and, without a usage chunk, the fingerprint; the
+        # usage chunk has no choices, the three counts, and the fingerprint.
+        chunks: list[dict[str, Any]] = []
         if chat:
-            events.append({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None})
+            chunks.append(self._role_chunk(request_id, created))
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
             if chat:
-                events.append({"index": 0, "delta": {"content": token}, "logprobs": None,
-                               "finish_reason": "length" if last else None,
-                               **({"stop_reason": None} if last else {})})
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": token}, "logprobs": None,
+                                          "finish_reason": "length" if last else None,
+                                          **({"stop_reason": None} if last else {}), "token_ids": None}
             else:
-                events.append({"index": 0, "text": token, "logprobs": None,
-                               "finish_reason": "length" if last else None,
-                               **({"stop_reason": None} if last else {})})
-        frames = []
-        for choice in events:
+                choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": "length" if last else None,
+                          "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
             chunk: dict[str, Any] = {"id": request_id, "object": kind, "created": created, "model": self.model,
                                      "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            frames.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            if last and not include_usage:
+                chunk["system_fingerprint"] = FINGERPRINT
+            chunks.append(chunk)
         if include_usage:
-            frames.append(b"data: " + orjson.dumps({
-                "id": request_id, "object": kind, "created": created, "model": self.model, "choices": [],
-                "usage": self._usage(prompt_tokens, len(tokens))}) + b"\n\n")
+            chunks.append({"id": request_id, "object": kind, "created": created, "model": self.model, "choices": [],
+                           "usage": self._usage(prompt_tokens, len(tokens)), "system_fingerprint": FINGERPRINT})
+        frames = [b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks]
         frames.append(b"data: [DONE]\n\n")
         chunking = behaviour.get("chunking", "event")
         data = b"".join(frames)
@@ -315,8 +323,20 @@ class VllmEmulator:
                 await asyncio.sleep(interval)
             yield piece
 
-    async def _error_stream(self) -> AsyncIterator[bytes]:
-        yield b"data: " + error_json(500, "Internal server error", "InternalServerError") + b"\n\n"
+    def _role_chunk(self, request_id: str, created: int) -> dict[str, Any]:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}],
+                "prompt_token_ids": None, "prompt_text": None}
+
+    async def _error_stream(self, chat: bool) -> AsyncIterator[bytes]:
+        """A failed KV load inside a stream, as vLLM 0.32 writes it: chat's role chunk first, then the
+        error event (Python's json.dumps spacing, unlike the compact chunks), then [DONE]."""
+        if chat:
+            request_id = "chatcmpl-" + secrets.token_hex(8)
+            yield b"data: " + orjson.dumps(self._role_chunk(request_id, int(time.time()))) + b"\n\n"
+        error = _error_object(500, "Internal server error", "InternalServerError")
+        yield b"data: " + json.dumps(error).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     # --- the NIXL side -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Values (ids, generated text, token counts) legitimately differ and are not compa
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Worker
+from extproc import stack
 from tests.realvllm.engine import free_ports
 from tests.realvllm.stage import RealPd, Reply, send
 from tests.realvllm.wire import (
@@ -40,11 +41,9 @@ PATH_IDS = ["chat", "completions"]
 
 
 class EmulatedPair:
-    def __init__(self, prefill: Worker, decode: Worker) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.prefill_http = httpx.Client(base_url=prefill.url, timeout=30)
-        self.decode_http = httpx.Client(base_url=decode.url, timeout=30)
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        self.prefill_http = httpx.Client(base_url=prefill_url, timeout=30)
+        self.decode_http = httpx.Client(base_url=decode_url, timeout=30)
 
     def direct_pd(self, path: str, body: dict[str, Any]) -> tuple[Reply, Reply]:
         prefill = send(self.prefill_http, path, prefill_leg_body(path, body))
@@ -61,18 +60,19 @@ class EmulatedPair:
 def emulated(real_pd: RealPd) -> Iterator[EmulatedPair]:
     """An emulated prefill and decode worker serving the real workers' model name."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-emulated-shapes-"))
-    model = ("--model", real_pd.model)
-    workers = [Worker("emulated-prefill", "prefill", log_dir, extra=model),
-               Worker("emulated-decode", "decode", log_dir, extra=model)]
+    children = [stack.python_child(f"emulated-{role}", [
+        "emulate", "--engine", "vllm", "--role", role, "--listen", "127.0.0.1:0", "--worker-id", f"emulated-{role}",
+        "--model", real_pd.model], os.environ, log_dir) for role in ("prefill", "decode")]
     try:
-        for worker in workers:
-            worker.wait_ready()
-        pair = EmulatedPair(*workers)
+        for child in children:
+            child.start()
+        urls = [child.wait_ready(30).split()[1] for child in children]  # "ready http://host:port ..."
+        pair = EmulatedPair(*urls)
         yield pair
         pair.close()
     finally:
-        for worker in workers:
-            worker.stop()
+        for child in children:
+            child.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
 
 

@@ -1,0 +1,58 @@
+"""Fixtures over the committed deployment files (nothing here starts a process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy import render_manifests as rm
+from deploy import validate
+from extproc.config import Settings
+
+
+class Manifests:
+    """The k8s/ documents, looked up by kind and name."""
+
+    def __init__(self, docs: list[validate.Document]):
+        self.docs = docs
+        self._index = {(d.body["kind"], d.body["metadata"]["name"]): d.body for d in docs}
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        return self._index[(kind, name)]
+
+    def container(self, deployment: str, name: str) -> dict[str, Any]:
+        pod = self.get("Deployment", deployment)["spec"]["template"]["spec"]
+        return next(c for c in pod["containers"] if c["name"] == name)
+
+    def pod(self, deployment: str) -> dict[str, Any]:
+        spec: dict[str, Any] = self.get("Deployment", deployment)["spec"]["template"]["spec"]
+        return spec
+
+
+@pytest.fixture(scope="session")
+def manifests() -> Manifests:
+    return Manifests(validate.load_documents(validate.k8s_files()))
+
+
+@pytest.fixture(scope="session")
+def k8s_settings() -> Settings:
+    return rm.target_settings(rm.K8S_SETTINGS)[0]
+
+
+@pytest.fixture(scope="session")
+def compose_settings() -> Settings:
+    return rm.target_settings(rm.COMPOSE_SETTINGS)[0]
+
+
+@pytest.fixture(scope="session")
+def compose() -> dict[str, Any]:
+    body: dict[str, Any] = yaml.safe_load(validate.COMPOSE_FILE.read_text())
+    return body
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return rm.REPO

@@ -1,0 +1,93 @@
+"""Generated deployment files never drift from the settings files and the Envoy renderer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy import render_manifests as rm
+from deploy.envfile import EnvFileError, parse_env_text, read_env_file
+from extproc import cli
+from extproc.config import SPECS
+
+pytestmark = pytest.mark.deploy
+
+# Settings the deployment files rely on (names as in extproc.config.SPECS).
+RELIED_ON = ("adapter", "grpc_listen", "listen", "decode", "envoy_admin", "metrics_listen", "prefill_allow",
+             "trusted_sources", "max_request_bytes", "max_prefill_response_bytes", "prefill_connect_timeout",
+             "prefill_read_timeout", "prefill_deadline", "client_body_timeout", "decode_idle_timeout",
+             "drain_timeout", "max_inflight", "log_level")
+
+
+@pytest.mark.parametrize("path", sorted(rm.rendered()), ids=lambda p: str(p.relative_to(rm.REPO)))
+def test_generated_file_is_current(path: Path) -> None:
+    expected = rm.rendered()[path]
+    assert path.exists() and path.read_text() == expected, (
+        f"{path.relative_to(rm.REPO)} is stale: run `{rm.REGENERATE}` and commit the result.\n"
+        + rm.diff(path, expected))
+
+
+def _cli_envoy_config(settings_file: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert cli.main(["envoy-config"], environ=read_env_file(settings_file)) == 0
+    return capsys.readouterr().out
+
+
+def test_compose_mounts_what_pd_extproc_envoy_config_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    assert rm.COMPOSE_ENVOY.read_text() == _cli_envoy_config(rm.COMPOSE_SETTINGS, capsys)
+
+
+def test_k8s_envoy_configmap_is_what_pd_extproc_envoy_config_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    docs = list(yaml.safe_load_all(rm.K8S_CONFIG.read_text()))
+    envoy = next(d for d in docs if d["metadata"]["name"] == rm.ENVOY_CONFIGMAP)
+    assert envoy["data"][rm.ENVOY_CONFIG_KEY] == _cli_envoy_config(rm.K8S_SETTINGS, capsys)
+
+
+def test_settings_configmap_is_the_settings_file() -> None:
+    docs = list(yaml.safe_load_all(rm.K8S_CONFIG.read_text()))
+    settings = next(d for d in docs if d["metadata"]["name"] == rm.SETTINGS_CONFIGMAP)
+    assert settings["data"] == read_env_file(rm.K8S_SETTINGS)
+
+
+@pytest.mark.parametrize("settings_file", [rm.COMPOSE_SETTINGS, rm.K8S_SETTINGS], ids=["compose", "k8s"])
+def test_settings_files_use_only_known_settings(settings_file: Path) -> None:
+    known = {spec.env for spec in SPECS}
+    assert set(read_env_file(settings_file)) <= known
+    rm.target_settings(settings_file)  # and pd-extproc accepts every value
+
+
+def test_the_settings_the_manifests_rely_on_exist() -> None:
+    assert set(RELIED_ON) <= {spec.name for spec in SPECS}
+
+
+def test_check_mode_names_the_stale_file_and_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "envoy.yaml"
+    target.write_text("old\n")
+    monkeypatch.setattr(rm, "REPO", tmp_path)
+    monkeypatch.setattr(rm, "rendered", lambda: {target: "new\n"})
+    assert rm.main(["--check"]) == 1
+    captured = capsys.readouterr()
+    assert "envoy.yaml" in captured.err and rm.REGENERATE in captured.err
+    assert "-old" in captured.out and "+new" in captured.out
+    assert target.read_text() == "old\n"
+    assert rm.main([]) == 0
+    assert target.read_text() == "new\n"
+
+
+def test_a_changed_setting_makes_the_rendered_config_stale(tmp_path: Path) -> None:
+    settings_file = tmp_path / "pd-extproc.env"
+    settings_file.write_text(rm.COMPOSE_SETTINGS.read_text().replace("PD_EXTPROC_LISTEN=0.0.0.0:8000",
+                                                                      "PD_EXTPROC_LISTEN=0.0.0.0:8001"))
+    expected = rm.rendered([rm.Target("planted", settings_file, rm.render_compose)])
+    assert rm.stale(expected) == [rm.COMPOSE_ENVOY]
+
+
+@pytest.mark.parametrize("line", ['PD_EXTPROC_LOG_LEVEL="info"', "PD_EXTPROC_DECODE=${DECODE}",
+                                  "PD_EXTPROC_LOG_LEVEL=info # comment", "export PD_EXTPROC_LOG_LEVEL=info",
+                                  "PD_EXTPROC_LOG_LEVEL"])
+def test_settings_files_refuse_what_compose_would_read_differently(line: str) -> None:
+    with pytest.raises(EnvFileError):
+        parse_env_text(line)

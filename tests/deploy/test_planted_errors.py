@@ -1,0 +1,206 @@
+"""Each validator rejects an error planted in a copy of a real deployment file (proof that it checks)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy import dockerfile_lint, validate
+
+pytestmark = pytest.mark.deploy
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _doc(kind: str, name: str) -> dict[str, Any]:
+    for doc in validate.load_documents(validate.k8s_files()):
+        if doc.body["kind"] == kind and doc.body["metadata"]["name"] == name:
+            return copy.deepcopy(doc.body)
+    raise KeyError((kind, name))
+
+
+# ---------------------------------------------------------------------------------------------- Envoy
+
+ENVOY_PLANTS = {
+    "misspelled field": ("stat_prefix: pd_ingress", "stat_prefx: pd_ingress"),
+    "port is not a number": ("port_value: 8000", "port_value: eighty"),
+    "unknown filter type": ("envoy.extensions.filters.http.router.v3.Router",
+                            "envoy.extensions.filters.http.router.v3.Rooter"),
+    "route to an undefined cluster": ("cluster: decode", "cluster: no_such_cluster"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(ENVOY_PLANTS))
+@pytest.mark.parametrize("label", ["envoy/envoy.yaml", "k8s"])
+def test_envoy_validate_rejects_a_planted_error(label: str, plant: str) -> None:
+    configs = validate.envoy_configs()
+    text = next(t for name, t in configs.items() if name.startswith(label))
+    old, new = ENVOY_PLANTS[plant]
+    assert old in text
+    assert validate.envoy_problems(text.replace(old, new, 1)) != []
+
+
+# -------------------------------------------------------------------------------------------- Compose
+
+def _set(path: tuple[str, ...], value: Any) -> Mutation:
+    def mutate(body: dict[str, Any]) -> None:
+        node = body
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return mutate
+
+
+COMPOSE_PLANTS: dict[str, Mutation] = {
+    "unknown service key": _set(("services", "envoy", "imagee"), "envoyproxy/envoy:v1.40.0"),
+    "duration as a number": _set(("services", "prefill", "healthcheck", "interval"), 10),
+    "gpu capabilities not a list": _set(("services", "prefill", "deploy", "resources", "reservations", "devices"),
+                                        [{"driver": "nvidia", "capabilities": "gpu"}]),
+    "network_mode not a string": _set(("services", "envoy", "network_mode"), ["service:decode"]),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(COMPOSE_PLANTS))
+def test_compose_schema_rejects_a_planted_error(plant: str) -> None:
+    body = yaml.safe_load(validate.COMPOSE_FILE.read_text())
+    COMPOSE_PLANTS[plant](body)
+    assert validate.compose_schema_problems(body) != []
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("network_mode: service:decode", "network_mode: service:decoder"),  # an undefined service
+    ("    image: envoyproxy/envoy:v1.40.0", "    imagee: envoyproxy/envoy:v1.40.0"),
+])
+def test_docker_compose_config_rejects_a_planted_error(tmp_path: Path, old: str, new: str) -> None:
+    for name in ("envoy.yaml", "pd-extproc.env"):
+        shutil.copy(validate.COMPOSE_FILE.parent / name, tmp_path / name)
+    text = validate.COMPOSE_FILE.read_text()
+    assert old in text
+    planted = tmp_path / "docker-compose.yaml"
+    planted.write_text(text.replace(old, new, 1))
+    assert validate.compose_tool_problems(planted) != []
+
+
+# ----------------------------------------------------------------------------------- core Kubernetes
+
+def _container(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def find(body: dict[str, Any]) -> dict[str, Any]:
+        containers: list[dict[str, Any]] = body["spec"]["template"]["spec"]["containers"]
+        return next(c for c in containers if c["name"] == name)
+    return find
+
+
+CORE_PLANTS: dict[str, tuple[str, str, Mutation]] = {
+    "replicas as a string": ("Deployment", "pd-decode", lambda d: d["spec"].__setitem__("replicas", "two")),
+    "unknown pod field": ("Deployment", "pd-decode",
+                          lambda d: d["spec"]["template"]["spec"].__setitem__("containerz", [])),
+    "missing selector": ("Deployment", "pd-prefill", lambda d: d["spec"].pop("selector")),
+    "probe port not a name or number": ("Deployment", "pd-decode", lambda d: _container("pd-extproc")(d)[
+        "readinessProbe"]["httpGet"].__setitem__("port", [9190])),
+    "misspelled preStop action": ("Deployment", "pd-decode", lambda d: _container("envoy")(d)["lifecycle"][
+        "preStop"].__setitem__("slep", {"seconds": 1})),
+    "service port as a string": ("Service", "pd-decode",
+                                 lambda d: d["spec"]["ports"][0].__setitem__("port", "8000")),
+    "network policy peer typo": ("NetworkPolicy", "pd-decode",
+                                 lambda d: d["spec"]["ingress"][0]["from"][0].__setitem__("podSelecter", {})),
+    "pdb budget as a list": ("PodDisruptionBudget", "pd-decode",
+                             lambda d: d["spec"].__setitem__("maxUnavailable", [1])),
+    "configmap data not strings": ("ConfigMap", "pd-extproc-settings",
+                                   lambda d: d["data"].__setitem__("PD_EXTPROC_MAX_INFLIGHT", 256)),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(CORE_PLANTS))
+def test_kubernetes_schema_rejects_a_planted_error(plant: str) -> None:
+    kind, name, mutate = CORE_PLANTS[plant]
+    body = _doc(kind, name)
+    assert validate.core_problems(body) == []
+    mutate(body)
+    assert validate.core_problems(body) != []
+
+
+# ----------------------------------------------------------------------------------------- Gateway API
+
+GATEWAY_PLANTS: dict[str, tuple[str, str, Mutation]] = {
+    "path type not in the enum": ("HTTPRoute", "pd-route",
+                                  lambda d: d["spec"]["rules"][0]["matches"][0]["path"].__setitem__("type", "Prefix")),
+    "timeout not a duration": ("HTTPRoute", "pd-route",
+                               lambda d: d["spec"]["rules"][0]["timeouts"].__setitem__("request", "forever")),
+    "backend kind as a number": ("HTTPRoute", "pd-route",
+                                 lambda d: d["spec"]["rules"][0]["backendRefs"][0].__setitem__("kind", 7)),
+    "listener without a protocol": ("Gateway", "pd-gateway", lambda d: d["spec"]["listeners"][0].pop("protocol")),
+    "listener port as a string": ("Gateway", "pd-gateway",
+                                  lambda d: d["spec"]["listeners"][0].__setitem__("port", "80")),
+}
+
+
+def test_gateway_api_schemas_reject_planted_errors() -> None:
+    bodies = []
+    for plant in sorted(GATEWAY_PLANTS):
+        kind, name, mutate = GATEWAY_PLANTS[plant]
+        body = _doc(kind, name)
+        mutate(body)
+        bodies.append(body)
+    clean = [_doc("HTTPRoute", "pd-route"), _doc("Gateway", "pd-gateway")]
+    answers = validate.gateway_api_problems([*clean, *bodies])
+    assert answers[:2] == [[], []]
+    rejected = dict(zip(sorted(GATEWAY_PLANTS), answers[2:], strict=True))
+    assert {plant: bool(problems) for plant, problems in rejected.items()} == dict.fromkeys(GATEWAY_PLANTS, True)
+
+
+def test_an_unknown_gateway_api_kind_has_no_schema() -> None:
+    body = _doc("HTTPRoute", "pd-route") | {"kind": "HTTPRouteX"}
+    assert validate.gateway_api_problems([body]) != [[]]
+
+
+# ---------------------------------------------------------------------------- InferencePool (contract)
+
+POOL_PLANTS: dict[str, Mutation] = {
+    "target port as a string": lambda d: d["spec"]["targetPorts"][0].__setitem__("number", "8000"),
+    "target port out of range": lambda d: d["spec"]["targetPorts"][0].__setitem__("number", 0),
+    "unknown failure mode": lambda d: d["spec"]["endpointPickerRef"].__setitem__("failureMode", "Fail"),
+    "misspelled spec field": lambda d: d["spec"].__setitem__("endpointPicker", {}),
+    "empty selector": lambda d: d["spec"]["selector"].__setitem__("matchLabels", {}),
+    "old API version": lambda d: d.__setitem__("apiVersion", "inference.networking.x-k8s.io/v1alpha2"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(POOL_PLANTS))
+def test_inference_pool_contract_rejects_a_planted_error(plant: str) -> None:
+    body = _doc("InferencePool", "pd-pool")
+    assert validate.inference_pool_problems(body) == []
+    POOL_PLANTS[plant](body)
+    assert validate.inference_pool_problems(body) != []
+
+
+def test_an_object_of_an_unknown_group_is_a_problem() -> None:
+    doc = validate.Document(Path("planted.yaml"), 0, {"apiVersion": "gateway.envoyproxy.io/v1alpha1",
+                                                      "kind": "EnvoyExtensionPolicy", "metadata": {"name": "x"}})
+    assert validate.k8s_problems([doc])[doc.label] != []
+
+
+# ------------------------------------------------------------------------------------------ Dockerfile
+
+DOCKERFILE_PLANTS = {
+    "runs as root": ("USER 10001:10001", "USER root"),
+    "no healthcheck": ("HEALTHCHECK --interval", "# HEALTHCHECK --interval"),
+    "unpinned base": ("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:3.11-slim"),
+    "compiler in the final image": ("USER 10001:10001",
+                                    "RUN apt-get update && apt-get install -y gcc\nUSER 10001:10001"),
+    "shell-form entrypoint": ('ENTRYPOINT ["pd-extproc"]', "ENTRYPOINT pd-extproc"),
+    "single stage": ("FROM ${PYTHON_IMAGE} AS build", "# no build stage"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(DOCKERFILE_PLANTS))
+def test_dockerfile_lint_rejects_a_planted_error(plant: str) -> None:
+    text = (validate.REPO / "Dockerfile").read_text()
+    old, new = DOCKERFILE_PLANTS[plant]
+    assert old in text
+    assert dockerfile_lint.problems(text.replace(old, new, 1)) != []

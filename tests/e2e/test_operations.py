@@ -1,0 +1,243 @@
+"""Issue 6: metrics with exact values, trace context, one log line per request, admission, health
+during drain, and Envoy's own timeout for a stuck ext_proc server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc import stack as stack_module
+from extproc.config import load_settings
+from extproc.envoy_config import render_yaml
+from extproc.server import EXT_PROC_SERVICE
+from tests.e2e.test_vllm_pd_contract import CHAT, assert_error, chat_body, post
+from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
+
+pytestmark = pytest.mark.dataplane
+
+
+def scrape(stack: Stack) -> dict[str, float]:
+    """Metric samples as {"name{labels}": value}."""
+    text = httpx.get(stack.metrics_url + "/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def ops_stack() -> Iterator[Stack]:
+    with running_stack() as stack:
+        yield stack
+
+
+def test_metrics_count_a_known_mix_of_requests_exactly(ops_stack: Stack) -> None:
+    """3 successes, 2 refused variants, 1 prefill 500 and 1 invalid handoff give exact counter values."""
+    ops_stack.reset()
+    for _ in range(3):
+        assert post(ops_stack, CHAT, chat_body(max_tokens=2)).status_code == 200
+    for _ in range(2):
+        assert post(ops_stack, CHAT, chat_body(n=3)).status_code == 400
+    ops_stack.prefill.script({"status": 500}, {"kv_set": {"remote_port": "x"}})
+    assert post(ops_stack, CHAT, chat_body()).status_code == 500
+    assert post(ops_stack, CHAT, chat_body()).status_code == 502
+    samples = scrape(ops_stack)
+    labels = 'adapter="vllm_nixl"'
+    assert samples[f'pd_extproc_requests_total{{{labels},outcome="ok"}}'] == 3
+    assert samples[f'pd_extproc_requests_total{{{labels},outcome="unsupported_pd_variant"}}'] == 2
+    assert samples[f'pd_extproc_requests_total{{{labels},outcome="prefill_upstream_error"}}'] == 1
+    assert samples[f'pd_extproc_requests_total{{{labels},outcome="invalid_prefill_handoff"}}'] == 1
+    assert samples[f'pd_extproc_handoff_failures_total{{{labels},reason="remote_port_invalid"}}'] == 1
+    assert samples[f'pd_extproc_prefill_seconds_count{{{labels},phase="total"}}'] == 5
+    assert samples[f'pd_extproc_prefill_seconds_count{{{labels},phase="response"}}'] == 5
+    assert samples[f'pd_extproc_prefill_seconds_count{{{labels},phase="connect"}}'] >= 1
+    assert samples[f'pd_extproc_processing_seconds_count{{{labels}}}'] == 7
+    assert samples[f'pd_extproc_request_body_bytes_count{{{labels}}}'] == 7
+    assert samples[f'pd_extproc_prefill_response_bytes_count{{{labels}}}'] == 4
+    assert samples["pd_extproc_inflight_requests"] == 0
+
+
+def test_one_structured_log_line_per_request_without_bodies_or_secrets(ops_stack: Stack) -> None:
+    ops_stack.reset()
+    request_id = "5a1e0000-0000-4000-8000-00000000beef"
+    post(ops_stack, CHAT, chat_body(max_tokens=2, messages=[{"role": "user", "content": "top secret prompt"}]),
+         **{"x-request-id": request_id, "authorization": "Bearer sk-do-not-log"})
+    lines = [json.loads(line) for line in ops_stack.server_log().splitlines()
+             if line.startswith("{") and request_id in line]
+    assert len(lines) == 1
+    entry = lines[0]
+    assert entry["msg"] == "pd_request" and entry["outcome"] == "ok" and entry["status"] == 200
+    assert entry["prefill_status"] == 200 and entry["adapter"] == "vllm_nixl"
+    assert entry["prefill_ms"] > 0 and entry["total_ms"] >= entry["prefill_ms"]
+    log = ops_stack.server_log()
+    assert "top secret prompt" not in log and "sk-do-not-log" not in log
+
+
+def test_traceparent_reaches_the_prefill_worker_and_decode(ops_stack: Stack) -> None:
+    ops_stack.reset()
+    trace = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "vendor=1"}
+    assert post(ops_stack, CHAT, chat_body(max_tokens=2), **trace).status_code == 200
+    for worker in (ops_stack.prefill, ops_stack.decode):
+        headers = dict(worker.requests()[0]["headers"])
+        assert {k: headers[k] for k in trace} == trace
+
+
+@pytest.fixture(scope="module")
+def capped_stack() -> Iterator[Stack]:
+    with running_stack({"PD_EXTPROC_MAX_INFLIGHT": "2"}) as stack:
+        yield stack
+
+
+def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
+    """With 2 requests holding both slots, every further P/D request gets an immediate 503
+    pd_overloaded with Retry-After; the counter matches; the two held requests then succeed."""
+    capped_stack.reset()
+    capped_stack.prefill.script({"delay": 3}, {"delay": 3})
+
+    async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
+            held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
+                                                      headers=capped_stack.pd_headers())) for _ in range(2)]
+            assert await asyncio.to_thread(capped_stack.prefill.wait, "pending", 2)
+            shed = [await client.post(CHAT, json=chat_body(), headers=capped_stack.pd_headers()) for _ in range(3)]
+            return list(await asyncio.gather(*held)), shed
+
+    held, shed = asyncio.run(run())
+    for response in shed:
+        assert_error(response, 503, "pd_overloaded")
+        assert response.headers["retry-after"] == "1"
+    assert [r.status_code for r in held] == [200, 200], [r["notes"] for r in capped_stack.decode.requests()]
+    assert scrape(capped_stack)['pd_extproc_requests_total{adapter="vllm_nixl",outcome="pd_overloaded"}'] == 3
+    assert len(capped_stack.prefill.requests()) == 2, "shed requests never reach prefill"
+
+
+@pytest.fixture
+def draining_stack() -> Iterator[Stack]:
+    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "10s"}, grpc_unix=True) as stack:
+        yield stack
+
+
+def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
+    """gRPC health and /readyz are SERVING/200 before SIGTERM and NOT_SERVING/503 while an in-flight
+    request drains; /healthz (liveness) stays 200."""
+    server = draining_stack.server
+    assert server is not None and server.process is not None
+    target = draining_stack.settings.grpc_listen.grpc_target()
+
+    channel = grpc.insecure_channel(target)
+
+    def health() -> int:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE), timeout=5)
+        return int(reply.status)
+
+    assert health() == health_pb2.HealthCheckResponse.SERVING
+    assert httpx.get(draining_stack.metrics_url + "/readyz").status_code == 200
+    draining_stack.prefill.script({"delay": 3})
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=draining_stack.url, timeout=30) as client:
+            inflight = asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
+                                                         headers=draining_stack.pd_headers()))
+            assert await asyncio.to_thread(draining_stack.prefill.wait, "pending")
+            assert server.process is not None
+            server.process.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(_wait_for, lambda: _readyz(draining_stack) == 503)
+            assert await asyncio.to_thread(health) == health_pb2.HealthCheckResponse.NOT_SERVING
+            liveness = await client.get(draining_stack.metrics_url + "/healthz")
+            assert liveness.status_code == 200
+            return await inflight
+
+    try:
+        assert asyncio.run(run()).status_code == 200
+    finally:
+        channel.close()
+
+
+def _readyz(stack: Stack) -> int:
+    try:
+        return httpx.get(stack.metrics_url + "/readyz", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def _wait_for(condition: Any, within: float = 10) -> bool:
+    """Poll an observable condition until it holds or ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return bool(condition())
+
+
+class SilentExtProc(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """A broken ext_proc server: it continues the headers and never answers the body."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def Process(self, request_iterator: Iterator[pb.ProcessingRequest], context: Any) -> Iterator[Any]:
+        for request in request_iterator:
+            if request.WhichOneof("request") == "request_headers":
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            else:
+                self.release.wait(30)
+                return
+
+
+def test_extproc_message_timeout_is_json_504(tmp_path: Path) -> None:
+    """If an ext_proc server ever failed to answer within Envoy's message timeout, the client still
+    gets our JSON shape: 504 pd_extproc_timeout (a healthy stand-in server that never answers the body)."""
+    silent = SilentExtProc()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ExternalProcessorServicer_to_server(silent, grpc_server)
+    health = grpc_health.HealthServicer()
+    health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    settings = load_settings({
+        **TEST_DEFAULTS, "PD_EXTPROC_PREFILL_DEADLINE": "1s", "PD_EXTPROC_PREFILL_CONNECT_TIMEOUT": "500ms",
+        "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "2100ms", "PD_EXTPROC_GRPC_LISTEN": f"127.0.0.1:{port}",
+        "PD_EXTPROC_LISTEN": "127.0.0.1:0", "PD_EXTPROC_ENVOY_ADMIN": "127.0.0.1:0", "PD_EXTPROC_DECODE": "127.0.0.1:9",
+    }, {})
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render_yaml(settings))
+    envoy = stack_module.EnvoyProcess.launch(envoy_bin(), config, tmp_path)
+    try:
+        listen = envoy.wait_ready(30)
+        assert _wait_for(lambda: _extproc_healthy(envoy)), "the stand-in must pass Envoy's health check first"
+        response = httpx.post(f"http://{listen}{CHAT}", json=chat_body(), timeout=30,
+                              headers={"x-prefiller-host-port": "127.0.0.1:9"})
+        assert_error(response, 504, "pd_extproc_timeout")
+    finally:
+        silent.release.set()
+        envoy.child.stop()
+        grpc_server.stop(0)
+
+
+def _extproc_healthy(envoy: stack_module.EnvoyProcess) -> bool:
+    clusters = json.loads(envoy.admin_get("/clusters?format=json"))
+    for cluster in clusters["cluster_statuses"]:
+        if cluster["name"] == "pd_extproc":
+            statuses = cluster["host_statuses"][0]["health_status"]
+            return statuses.get("eds_health_status") == "HEALTHY" and not statuses.get("failed_active_health_check")
+    return False
