@@ -154,9 +154,16 @@ def _shutdown(envoy: object, children: Sequence[object], grace: float) -> None:
             pass
     if isinstance(envoy, stack.EnvoyProcess):
         envoy.child.stop()
+        _say(f"stopped {envoy.child.name}")
     for child in reversed(children):
         if isinstance(child, stack.Child):
             child.stop(timeout=grace + 5)
+            _say(f"stopped {child.name}")
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _print_ready(listen: str, prefill: str, settings: Settings, workdir: Path) -> None:

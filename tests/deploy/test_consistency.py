@@ -1,0 +1,250 @@
+"""The hand-written manifests use the ports, socket paths, timeouts and images the settings and the
+renderer use: a changed setting that the manifests do not follow fails here, naming the field."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy import render_manifests as rm
+from extproc.config import Settings
+from extproc.prefill_policy import PrefillPolicy
+from tests.deploy.conftest import Manifests
+
+pytestmark = pytest.mark.deploy
+
+ENVOY_CONFIG_PATH = "/etc/envoy/envoy.yaml"
+
+
+def _makefile_envoy_version(repo: Path) -> str:
+    match = re.search(r"^ENVOY_VERSION\s*:?=\s*(\S+)", (repo / "Makefile").read_text(), re.M)
+    assert match, "ENVOY_VERSION not found in the Makefile"
+    return match.group(1)
+
+
+def _args(container: dict[str, Any]) -> dict[str, str]:
+    """--name=value arguments of a container (vLLM's style here)."""
+    out = {}
+    for arg in container.get("args", []) + container.get("command", []):
+        if isinstance(arg, str) and arg.startswith("--") and "=" in arg:
+            name, _, value = arg.partition("=")
+            out[name] = value
+    return out
+
+
+def _mount(container: dict[str, Any], volume: str) -> str:
+    path: str = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume)
+    return path
+
+
+def _port(container: dict[str, Any], name: str) -> int:
+    port: int = next(p["containerPort"] for p in container["ports"] if p["name"] == name)
+    return port
+
+
+def _socket_dir(settings: Settings) -> str:
+    assert settings.grpc_listen.unix_path, "the deployments expect Envoy -> pd-extproc over a Unix socket"
+    return posixpath.dirname(settings.grpc_listen.unix_path)
+
+
+def _prestop(container: dict[str, Any]) -> int:
+    seconds: int = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    return seconds
+
+
+# ------------------------------------------------------------------------------------------- Kubernetes
+
+def test_decode_envoy_runs_the_generated_bootstrap_on_the_listen_port(manifests: Manifests,
+                                                                      k8s_settings: Settings) -> None:
+    envoy = manifests.container("pd-decode", "envoy")
+    assert envoy["args"][:2] == ["-c", ENVOY_CONFIG_PATH]
+    volume = next(v for v in manifests.pod("pd-decode")["volumes"] if v.get("configMap", {}).get("name")
+                  == rm.ENVOY_CONFIGMAP)
+    assert _mount(envoy, volume["name"]) == posixpath.dirname(ENVOY_CONFIG_PATH)
+    assert posixpath.basename(ENVOY_CONFIG_PATH) == rm.ENVOY_CONFIG_KEY
+    assert _port(envoy, "http") == k8s_settings.listen.port
+    assert envoy["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(rm.REPO)}"
+
+
+def test_envoy_and_pd_extproc_share_the_socket_directory(manifests: Manifests, k8s_settings: Settings) -> None:
+    pod = manifests.pod("pd-decode")
+    socket_volume = next(v for v in pod["volumes"] if v["name"] == "extproc-socket")
+    assert "emptyDir" in socket_volume
+    for name in ("envoy", "pd-extproc"):
+        assert _mount(manifests.container("pd-decode", name), "extproc-socket") == _socket_dir(k8s_settings)
+    # Same uid for both, so Envoy may connect to the socket pd-extproc creates.
+    assert all("runAsUser" not in c.get("securityContext", {}) for c in pod["containers"])
+    assert pod["securityContext"]["runAsUser"] == _dockerfile_uid(rm.REPO)
+
+
+def test_pd_extproc_reads_the_generated_settings_and_probes_its_health_endpoints(
+        manifests: Manifests, k8s_settings: Settings) -> None:
+    extproc = manifests.container("pd-decode", "pd-extproc")
+    assert extproc["envFrom"] == [{"configMapRef": {"name": rm.SETTINGS_CONFIGMAP}}]
+    assert "env" not in extproc  # every setting comes from the generated ConfigMap
+    assert _port(extproc, "metrics") == k8s_settings.metrics_listen.port
+    assert extproc["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert extproc["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert extproc["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+def test_decode_vllm_listens_where_envoy_sends_the_decode_leg(manifests: Manifests, k8s_settings: Settings) -> None:
+    vllm = manifests.container("pd-decode", "vllm")
+    args = _args(vllm)
+    assert (args["--host"], int(args["--port"])) == (k8s_settings.decode.host, k8s_settings.decode.port)
+    for probe in ("startupProbe", "livenessProbe"):
+        assert f"{k8s_settings.decode.host}:{k8s_settings.decode.port}/health" in " ".join(
+            vllm[probe]["exec"]["command"])
+    config = json.loads(args["--kv-transfer-config"])
+    assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail"}
+    assert int(args["--max-num-seqs"]) >= k8s_settings.max_inflight
+
+
+def test_prefill_serves_on_the_pool_port_that_the_allow_list_admits(manifests: Manifests,
+                                                                    k8s_settings: Settings) -> None:
+    pool = manifests.get("InferencePool", "pd-pool")
+    target_ports = [p["number"] for p in pool["spec"]["targetPorts"]]
+    assert target_ports == [k8s_settings.listen.port]
+    vllm = manifests.container("pd-prefill", "vllm")
+    args = _args(vllm)
+    assert (args["--host"], int(args["--port"])) == ("0.0.0.0", target_ports[0])
+    assert _port(vllm, "http") == target_ports[0]
+    assert json.loads(args["--kv-transfer-config"]) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    # The picker names <pod IP>:<targetPort>: a pod-network address on that port must pass, and nothing
+    # on another port.
+    assert k8s_settings.prefill_allow, "k8s must set an explicit prefill allow-list"
+    policy = PrefillPolicy(k8s_settings.prefill_allow)
+    for rule in k8s_settings.prefill_allow:
+        assert rule.network is not None and target_ports[0] in rule.ports
+        pod_ip = ipaddress.ip_address(str(next(rule.network.hosts())))
+        assert policy.allows_address(pod_ip, target_ports[0])
+        assert not policy.allows_address(pod_ip, 5600)
+    assert k8s_settings.trusted_sources, "k8s must say which peers may set x-prefiller-host-port"
+
+
+def test_pool_selects_both_roles_and_the_picker_service(manifests: Manifests) -> None:
+    pool = manifests.get("InferencePool", "pd-pool")["spec"]
+    for deployment in ("pd-decode", "pd-prefill"):
+        labels = manifests.get("Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+        assert pool["selector"]["matchLabels"].items() <= labels.items()
+    picker = manifests.get("Service", pool["endpointPickerRef"]["name"])
+    assert pool["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
+    assert pool["endpointPickerRef"]["failureMode"] == "FailClose"
+    epp = manifests.container("pd-epp", "epp")
+    assert f"--pool-name={manifests.get('InferencePool', 'pd-pool')['metadata']['name']}" in epp["args"]
+
+
+def test_route_reaches_the_pool_through_the_gateway(manifests: Manifests) -> None:
+    route = manifests.get("HTTPRoute", "pd-route")["spec"]
+    assert [ref["name"] for ref in route["parentRefs"]] == [manifests.get("Gateway", "pd-gateway")["metadata"]["name"]]
+    for rule in route["rules"]:
+        assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                        "name": "pd-pool"}]
+        assert rule["timeouts"]["request"] == "0s"
+        assert "filters" not in rule  # a route filter would run after the picker and could drop its header
+
+
+def test_services_point_at_named_container_ports(manifests: Manifests, k8s_settings: Settings) -> None:
+    service = manifests.get("Service", "pd-decode")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service} == {
+        "http": (k8s_settings.listen.port, "http"), "metrics": (k8s_settings.metrics_listen.port, "metrics")}
+
+
+def test_network_policy_ports_follow_the_settings(manifests: Manifests, k8s_settings: Settings) -> None:
+    decode = manifests.get("NetworkPolicy", "pd-decode")["spec"]
+    ports = [{p["port"] for p in rule.get("ports", [])} for rule in decode["ingress"]]
+    assert {k8s_settings.listen.port} in ports  # gateway and picker -> Envoy
+    assert {k8s_settings.metrics_listen.port} in ports  # Prometheus -> pd-extproc
+    decode_labels = manifests.get("Deployment", "pd-decode")["spec"]["template"]["metadata"]["labels"]
+    prefill_labels = manifests.get("Deployment", "pd-prefill")["spec"]["template"]["metadata"]["labels"]
+    assert decode["podSelector"]["matchLabels"].items() <= decode_labels.items()
+    egress_peers = [peer.get("podSelector", {}).get("matchLabels") for rule in decode["egress"]
+                    for peer in rule.get("to", [])]
+    assert any(p and p.items() <= prefill_labels.items() for p in egress_peers)
+    for rule in decode["egress"]:
+        for peer in rule.get("to", []):
+            if "ipBlock" in peer:  # the model-download rule never opens the cluster's own ranges
+                excepted = [ipaddress.ip_network(c) for c in peer["ipBlock"]["except"]]
+                assert any(ipaddress.ip_address("10.1.2.3") in e for e in excepted)
+
+
+def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifests: Manifests,
+                                                                         k8s_settings: Settings) -> None:
+    pod = manifests.pod("pd-decode")
+    extproc = _prestop(manifests.container("pd-decode", "pd-extproc"))
+    envoy = _prestop(manifests.container("pd-decode", "envoy"))
+    vllm = _prestop(manifests.container("pd-decode", "vllm"))
+    assert envoy >= extproc + k8s_settings.drain_timeout
+    assert vllm >= envoy
+    assert pod["terminationGracePeriodSeconds"] > vllm
+
+
+def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert manifests.container("pd-decode", "envoy")["image"] == services["envoy"]["image"]
+    assert manifests.container("pd-decode", "pd-extproc")["image"] == services["pd-extproc"]["image"]
+    for deployment in ("pd-decode", "pd-prefill"):
+        assert manifests.container(deployment, "vllm")["image"] == services["prefill"]["image"]
+
+
+# ---------------------------------------------------------------------------------------------- Compose
+
+def _compose_args(service: dict[str, Any]) -> dict[str, str]:
+    return _args({"args": service["command"]})
+
+
+def _dockerfile_uid(repo: Path) -> int:
+    match = re.search(r"^USER\s+(\d+)", (repo / "Dockerfile").read_text(), re.M)
+    assert match, "the Dockerfile must set a numeric USER"
+    return int(match.group(1))
+
+
+def test_compose_envoy_mounts_the_generated_bootstrap(compose: dict[str, Any], repo: Path) -> None:
+    envoy = compose["services"]["envoy"]
+    assert f"./{rm.COMPOSE_ENVOY.name}:{ENVOY_CONFIG_PATH}:ro" in envoy["volumes"]
+    assert envoy["command"][:3] == ["envoy", "-c", ENVOY_CONFIG_PATH]
+    assert envoy["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
+    assert int(envoy["user"].split(":")[0]) == _dockerfile_uid(repo)
+
+
+def test_compose_pd_extproc_reads_the_settings_file(compose: dict[str, Any]) -> None:
+    assert compose["services"]["pd-extproc"]["env_file"] == rm.COMPOSE_SETTINGS.name
+
+
+def test_compose_shares_the_decode_namespace_and_the_socket(compose: dict[str, Any],
+                                                             compose_settings: Settings) -> None:
+    services = compose["services"]
+    for name in ("envoy", "pd-extproc"):
+        assert services[name]["network_mode"] == "service:decode"
+        assert f"extproc-socket:{_socket_dir(compose_settings)}" in services[name]["volumes"]
+    published = {int(p.rsplit(":", 1)[1]) for p in services["decode"]["ports"]}
+    assert published == {compose_settings.listen.port, compose_settings.metrics_listen.port}
+    args = _compose_args(services["decode"])
+    assert (args["--host"], int(args["--port"])) == (compose_settings.decode.host, compose_settings.decode.port)
+    assert json.loads(args["--kv-transfer-config"])["kv_load_failure_policy"] == "fail"
+
+
+def test_compose_prefill_is_the_one_allowed_target(compose: dict[str, Any], compose_settings: Settings) -> None:
+    prefill = compose["services"]["prefill"]
+    address = ipaddress.ip_address(prefill["networks"]["pd"]["ipv4_address"])
+    port = int(_compose_args(prefill)["--port"])
+    policy = PrefillPolicy(compose_settings.prefill_allow)
+    assert policy.allows_address(address, port)
+    assert not policy.allows_address(address, port + 1)
+    assert not policy.allows_address(ipaddress.ip_address("172.28.0.20"), port)  # decode itself
+    for name in ("prefill", "decode"):
+        service = compose["services"][name]
+        assert service["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == service["networks"]["pd"]["ipv4_address"]
+    assert address in ipaddress.ip_network(compose["networks"]["pd"]["ipam"]["config"][0]["subnet"])
+    assert f'172.28.0.10:{port}' in rm.COMPOSE_ENVOY.parent.joinpath("docker-compose.yaml").read_text()
+
+
+def test_compose_gives_pd_extproc_time_to_drain(compose: dict[str, Any], compose_settings: Settings) -> None:
+    grace = compose["services"]["pd-extproc"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > compose_settings.drain_timeout

@@ -1,0 +1,141 @@
+"""The command line: `up` (ready line, demo P/D, errors, ordered shutdown) and refusing bad settings."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import envoy_bin
+
+pytestmark = pytest.mark.dataplane
+CHAT = "/v1/chat/completions"
+
+
+def extproc(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    environment = {**os.environ, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "extproc", *args], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=environment)
+
+
+def children_of(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def demo() -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    process = extproc("up", "--demo", "--listen", "127.0.0.1:0")
+    assert process.stdout is not None
+    lines = [process.stdout.readline() for _ in range(5)]
+    yield process, lines
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    process.communicate(timeout=60)
+
+
+def test_up_demo_serves_pd_and_stops_everything_in_order_on_sigint(
+        demo: tuple[subprocess.Popen[str], list[str]]) -> None:
+    """`up --demo`: one `ready` line with the address and a working curl; a P/D request succeeds with a
+    real (emulated) KV transfer; Ctrl-C lets the in-flight request finish, then stops Envoy before our
+    server and the workers, and leaves no process behind."""
+    process, lines = demo
+    assert lines[0].startswith("ready http://127.0.0.1:"), lines
+    url = lines[0].split()[1]
+    curl = lines[2]
+    prefill = curl.split("x-prefiller-host-port: ")[1].split("'")[0]
+    decode_metrics = lines[4].split()[2]
+    children = children_of(process.pid)
+    assert len(children) == 4, "Envoy, the server and two emulated workers"
+    with httpx.Client(timeout=30) as client:
+        client.post(f"http://{prefill}/_emulator/script", json={"behaviours": [{"delay": 2}]}).raise_for_status()
+        inflight = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", f"{url}{CHAT}",
+                                     "-H", "content-type: application/json", "-H", f"x-prefiller-host-port: {prefill}",
+                                     "-d", '{"messages":[{"role":"user","content":"Hello"}],"max_tokens":4}'],
+                                    stdout=subprocess.PIPE, text=True)
+        waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 20})
+        assert waited.status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert inflight.communicate(timeout=60)[0] == "200", "the in-flight request must finish"
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    stops = [line.split()[1] for line in output.splitlines() if line.startswith("stopped ")]
+    assert stops == ["envoy", "pd-extproc-serve", "emulated-decode", "emulated-prefill"]
+    assert not any(alive(pid) for pid in children)
+    assert decode_metrics.endswith("/metrics")
+
+
+def test_up_demo_counts_one_transfer_per_pd_request(demo: tuple[subprocess.Popen[str], list[str]]) -> None:
+    _, lines = demo
+    url = lines[0].split()[1]
+    prefill = lines[2].split("x-prefiller-host-port: ")[1].split("'")[0]
+    metrics_url = lines[4].split()[2]
+    with httpx.Client(timeout=30) as client:
+        for stream in (False, True):
+            response = client.post(f"{url}{CHAT}", headers={"x-prefiller-host-port": prefill},
+                                   json={"messages": [{"role": "user", "content": "Hi"}], "stream": stream})
+            assert response.status_code == 200
+        count = [line for line in client.get(metrics_url).text.splitlines()
+                 if line.startswith("vllm:nixl_xfer_time_seconds_count")]
+    assert count and float(count[0].rsplit(" ", 1)[1]) == 2.0
+
+
+def test_up_refuses_a_port_that_is_taken() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        process = extproc("up", "--listen", f"127.0.0.1:{port}", "--decode", "127.0.0.1:9")
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert f"127.0.0.1:{port} (listen) is already in use" in err
+
+
+def test_up_says_clearly_when_envoy_is_missing() -> None:
+    process = extproc("up", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert "Envoy binary '/nonexistent/envoy' not found" in err
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--prefill-deadline", "soon"], {}, "--prefill-deadline: expected a duration"),
+    ([], {"PD_EXTPROC_ADAPTER": "tensorrt"}, "PD_EXTPROC_ADAPTER: expected one of"),
+    ([], {"PD_EXTPROC_PROTOCOL": "vllm-0.10-nixl-pull"}, "does not implement protocol 'vllm-0.10-nixl-pull'"),
+    ([], {"PD_EXTPROC_MAX_INFLIGHT": "-3"}, "PD_EXTPROC_MAX_INFLIGHT"),
+    ([], {"PD_EXTPROC_GRPC_LISTN": "x"}, "PD_EXTPROC_GRPC_LISTN: unknown setting"),
+], ids=["bad-duration", "unknown-adapter", "unknown-protocol-pin", "bad-number", "misspelt-variable"])
+def test_serve_refuses_to_start_on_a_bad_setting(args: list[str], env: dict[str, str], message: str) -> None:
+    process = extproc("serve", *args, env=env)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert message in err and "ready" not in out
+
+
+def test_envoy_config_prints_the_rendered_bootstrap() -> None:
+    process = extproc("envoy-config", "--decode", "10.1.2.3:8200", "--prefill-deadline", "30s")
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    assert "message_timeout: 35s" in out and "address: 10.1.2.3" in out
