@@ -1,0 +1,30 @@
+"""README and the dashboard are checked against the code."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from extproc.config import SPECS
+from extproc.metrics import Metrics
+from tests.harness import REPO
+
+README = (REPO / "README.md").read_text()
+
+
+def test_every_setting_is_in_the_readme_table() -> None:
+    table = README.split("<!-- settings-table -->", 1)[1].split("<!-- /settings-table -->", 1)[0]
+    listed = set(re.findall(r"`(PD_EXTPROC_[A-Z_]+)`", table))
+    assert listed == {spec.env for spec in SPECS}
+
+
+def test_every_metric_is_documented_and_every_dashboard_query_uses_real_metrics() -> None:
+    names = {metric.name for metric in Metrics().registry.collect()}
+    for name in names:
+        assert name in README, name
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pd-extproc.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["description"] and panel["title"] in README
+        for target in panel["targets"]:
+            used = set(re.findall(r"pd_extproc_[a-z_]+", target["expr"]))
+            assert used and all(re.sub(r"_(bucket|total|count|sum)$", "", m) in names for m in used), target
