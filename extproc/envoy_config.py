@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from extproc.adapters import adapter_flow
+from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.errors import SPEC, Code
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
@@ -107,7 +109,9 @@ def _ext_proc_filter(settings: Settings, header_mode: str) -> dict[str, Any]:
             "request_header_mode": "SEND" if header_mode == "send" else "SKIP",
             "request_body_mode": "BUFFERED",
             "request_trailer_mode": "SKIP",
-            "response_header_mode": "SKIP",
+            # Concurrent engines (SGLang): the stream stays open until decode answers, so a client that
+            # leaves before that still cancels the background prefill request.
+            "response_header_mode": "SEND" if adapter_flow(settings.adapter) is Flow.CONCURRENT else "SKIP",
             "response_body_mode": "NONE",
             "response_trailer_mode": "SKIP",
         },

@@ -49,6 +49,10 @@ class Metrics:
         self.handoff_failures = Counter(
             "pd_extproc_handoff_failures", "Invalid prefill handoffs by reason (the offending field).",
             ["adapter", "reason"], registry=self.registry)
+        self.background_failures = Counter(
+            "pd_extproc_background_prefill_failures",
+            "Concurrent-flow prefill requests that failed after decode had already started, by error code.",
+            ["adapter", "reason"], registry=self.registry)
         self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
                               registry=self.registry)
         self.request_bytes = Histogram(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoy_messages as msg
-from extproc.adapters.base import Adapter, AnswerDirectly, Flow
+from extproc.adapters.base import Adapter, AnswerDirectly, Flow, Plan
 from extproc.errors import Code, PdError
 from extproc.headers import prefill_headers
 from extproc.metrics import Metrics, RequestRecord
@@ -124,7 +124,10 @@ class PdProcessor:
     def refuse_now(self, pending: Pending, code: Code) -> pb.ProcessingResponse:
         return self._refuse(pending.record, PdError(code))
 
-    async def on_body(self, head: msg.RequestHead, pending: Pending, body: bytes) -> pb.ProcessingResponse:
+    async def on_body(self, head: msg.RequestHead, pending: Pending,
+                      body: bytes) -> tuple[pb.ProcessingResponse, asyncio.Task[None] | None]:
+        """The reply for the body phase, and for CONCURRENT adapters the prefill still running in the
+        background (the caller cancels it if the stream is reset before decode answers)."""
         record = pending.record
         record.body_bytes = len(body)
         try:
@@ -133,26 +136,72 @@ class PdProcessor:
             self._admission.enter()
             self._metrics.inflight.inc()
             try:
-                response = await self._run_legs(self._adapter, head, request, pending.target, record)
+                if self._adapter.flow is Flow.CONCURRENT:
+                    return await self._start_concurrent(self._adapter, head, request, pending.target, record)
+                response = await self._run_sequential(self._adapter, head, request, pending.target, record)
             finally:
-                self._admission.leave()
-                self._metrics.inflight.dec()
+                if self._adapter.flow is Flow.SEQUENTIAL:
+                    self._leave()
         except PdError as error:
-            return self._refuse(record, error)
+            return self._refuse(record, error), None
         except asyncio.CancelledError:
             self._finish(record, "cancelled", 499)
             raise
         except Exception:
             log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
-            return self._refuse(record, PdError(Code.INTERNAL_ERROR))
+            return self._refuse(record, PdError(Code.INTERNAL_ERROR)), None
         self._finish(record, record.outcome, record.status)
-        return response
+        return response, None
 
-    async def _run_legs(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
-                        target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
-        plan = adapter.plan(request, target.target, self._nonce())
-        if adapter.flow is Flow.CONCURRENT:  # pragma: no cover - no concurrent adapter yet
-            raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
+    def _leave(self) -> None:
+        self._admission.leave()
+        self._metrics.inflight.dec()
+
+    async def _plan(self, adapter: Adapter, request: ClientRequest, target: ResolvedTarget) -> Plan:
+        server_info = None
+        if adapter.server_info_path is not None:
+            server_info = await self._prefill.server_info(target, adapter.server_info_path)
+        return adapter.plan(request, target.target, self._nonce(), server_info)
+
+    async def _start_concurrent(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
+                                target: ResolvedTarget, record: RequestRecord
+                                ) -> tuple[pb.ProcessingResponse, asyncio.Task[None]]:
+        """Both legs at once (the engines rendezvous by themselves): decode gets its body now, the
+        prefill request runs in the background and is drained; its failure is logged and counted."""
+        try:
+            plan = await self._plan(adapter, request, target)
+        except BaseException:
+            self._leave()
+            raise
+        assert plan.decode_body is not None
+        task = asyncio.create_task(self._background_prefill(adapter, head, request, target, record, plan))
+        return msg.replace_body(plan.decode_body), task
+
+    async def _background_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
+                                  target: ResolvedTarget, record: RequestRecord, plan: Plan) -> None:
+        try:
+            reply = await self._prefill.post(target, request.path, prefill_headers(head.headers), plan.prefill_body,
+                                             record)
+            adapter.check_background(reply)
+        except PdError as error:
+            record.handoff_problem = error.code.value
+            self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
+            self._finish(record, error.code.value, error.status)
+            return
+        except asyncio.CancelledError:
+            self._finish(record, "cancelled", 499)
+            raise
+        except Exception:
+            log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
+            self._finish(record, Code.INTERNAL_ERROR.value, 500)
+            return
+        finally:
+            self._leave()
+        self._finish(record, "ok", 200)
+
+    async def _run_sequential(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
+                              target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
+        plan = await self._plan(adapter, request, target)
         reply = await self._prefill.post(target, request.path, prefill_headers(head.headers), plan.prefill_body,
                                          record)
         decision = adapter.decide(request, reply)

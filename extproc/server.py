@@ -35,12 +35,32 @@ HEALTH_NOTICE = 2.0  # seconds NOT_SERVING is visible before the listener closes
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, processor: PdProcessor) -> None:
+    def __init__(self, processor: PdProcessor, background: set[asyncio.Task[None]]) -> None:
         self._processor = processor
+        self._background = background
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
+        background: asyncio.Task[None] | None = None
+        try:
+            async for response in self._exchange(request_iterator):
+                if isinstance(response, asyncio.Task):
+                    background = response
+                    self._background.add(background)
+                    background.add_done_callback(self._background.discard)
+                    continue
+                yield response
+        except asyncio.CancelledError:
+            # The stream was reset (client gone, or Envoy gave up) while a concurrent prefill still
+            # runs: nobody will use its KV, so stop it.
+            if background is not None:
+                background.cancel()
+            raise
+
+    async def _exchange(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest]
+    ) -> AsyncIterator[pb.ProcessingResponse | asyncio.Task[None]]:
         head: msg.RequestHead | None = None
         pending: Pending | None = None
         async for request in request_iterator:
@@ -61,7 +81,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     log.error("request body arrived before its headers: check the Envoy processing mode")
                     yield msg.error_reply(Code.INTERNAL_ERROR, 500)
                     return
-                yield await self._processor.on_body(head, pending, request.request_body.body)
+                response, background = await self._processor.on_body(head, pending, request.request_body.body)
+                if background is not None:
+                    yield background
+                yield response
             elif kind is not None:
                 # Not configured to arrive; answer so Envoy does not treat the stream as broken.
                 response = pb.ProcessingResponse()
@@ -107,7 +130,8 @@ class ExtProcServer:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", 0x7FFFFFFF),
         ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), self.grpc)
+        self.background: set[asyncio.Task[None]] = set()
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor, self.background), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())
         if self.bound_port == 0 and not settings.grpc_listen.is_unix:
@@ -152,7 +176,14 @@ class ExtProcServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
         await asyncio.sleep(notice)  # in-flight requests carry on meanwhile
+        started = asyncio.get_running_loop().time()
         await self.grpc.stop(self.settings.drain_timeout - notice)
+        if self.background:  # concurrent-flow prefill requests still draining
+            remaining = max(0.0, self.settings.drain_timeout - notice - (asyncio.get_running_loop().time() - started))
+            _, late = await asyncio.wait(self.background, timeout=remaining)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.prefill.aclose()
         await self.http.close()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import socket
 import ssl
 import time
@@ -37,6 +38,8 @@ from extproc.prefill_policy import IPAddress, PrefillPolicy, first_allowed
 from extproc.prefill_target import PrefillTarget
 
 _READ_CHUNK = 64 << 10
+SERVER_INFO_TTL = 60.0  # seconds a discovered server-info document is reused for one endpoint
+SERVER_INFO_ENTRIES = 1024  # endpoints remembered at most (oldest dropped first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class PrefillClient:
         self._tls = tls
         self._scheme = "https" if tls is not None else "http"
         self._session: aiohttp.ClientSession | None = None
+        self._server_info: dict[tuple[str, int, str], tuple[float, dict[str, Any]]] = {}
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout,
         )
@@ -118,6 +122,49 @@ class PrefillClient:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+    async def server_info(self, resolved: ResolvedTarget, path: str) -> dict[str, Any]:
+        """GET a JSON object from the prefill worker (e.g. SGLang's /server_info), cached per endpoint
+        for SERVER_INFO_TTL seconds, at most SERVER_INFO_ENTRIES endpoints. Same caps and deadline as
+        the prefill leg; failures are the prefill leg's errors."""
+        key = (str(resolved.ip), resolved.target.port, path)
+        now = time.monotonic()
+        cached = self._server_info.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            async with asyncio.timeout(self._limits.deadline):
+                status, body = await self._get(resolved, path)
+        except TimeoutError:
+            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
+        if status != 200:
+            raise PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502)
+        try:
+            info = json.loads(body)
+        except ValueError:
+            raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
+        if not isinstance(info, dict):
+            raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
+        self._server_info[key] = (now + SERVER_INFO_TTL, info)
+        while len(self._server_info) > SERVER_INFO_ENTRIES:
+            self._server_info.pop(next(iter(self._server_info)))
+        return info
+
+    async def _get(self, resolved: ResolvedTarget, path: str) -> tuple[int, bytes]:
+        url = URL(f"{self._scheme}://{resolved.connect_authority}{path}", encoded=True)
+        server_name = (self._tls.server_name or resolved.target.host) if self._tls is not None else None
+        try:
+            response = await self._open().get(url, headers=[("host", resolved.target.authority)],
+                                               allow_redirects=False, server_hostname=server_name)
+        except (aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError):
+            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
+        except (aiohttp.ClientError, OSError):
+            raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
+        try:
+            body = await self._read_capped(response) if response.status == 200 else b""
+            return response.status, body
+        finally:
+            response.close()
 
     async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""

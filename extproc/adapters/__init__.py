@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from extproc.adapters.base import Adapter
+from extproc.adapters.base import Adapter, Flow
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 
-# name -> (supported protocol pins, the default pin first; factory taking the pin)
-REGISTRY: Mapping[str, tuple[tuple[str, ...], Callable[[str], Adapter]]] = {
-    VllmNixlAdapter.name: (VllmNixlAdapter.protocols, VllmNixlAdapter),
+# name -> (supported protocol pins, the default pin first; factory taking the pin; flow)
+REGISTRY: Mapping[str, tuple[tuple[str, ...], Callable[[str], Adapter], Flow]] = {
+    VllmNixlAdapter.name: (VllmNixlAdapter.protocols, VllmNixlAdapter, VllmNixlAdapter.flow),
 }
+
+
+def adapter_flow(adapter: str) -> Flow | None:
+    """The flow of a registered adapter (None for the ``none`` kill switch)."""
+    return REGISTRY[adapter][2] if adapter in REGISTRY else None
 
 
 def protocol_problem(adapter: str, protocol: str) -> str | None:
@@ -29,5 +34,5 @@ def build_adapter(adapter: str, protocol: str) -> Adapter | None:
     """The adapter for a validated setting pair; None for the ``none`` kill switch."""
     if adapter == "none":
         return None
-    pins, factory = REGISTRY[adapter]
+    pins, factory, _ = REGISTRY[adapter]
     return factory(protocol or pins[0])

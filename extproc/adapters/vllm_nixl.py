@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import orjson
 
 from extproc import jsonspan
-from extproc.adapters.base import DecodeWith, Flow, Plan, PrefillReply
+from extproc.adapters.base import DecodeWith, Flow, Plan, PrefillReply, ServerInfo
 from extproc.adapters.prefill_json import member_value, parse_prefill_object
 from extproc.errors import Code, PdError
 from extproc.openai_request import ClientRequest, Endpoint
@@ -169,6 +169,7 @@ def handoff_from_reply(reply: PrefillReply, protocol: str) -> bytes:
 class VllmNixlAdapter:
     name: ClassVar[str] = "vllm_nixl"
     flow: ClassVar[Flow] = Flow.SEQUENTIAL
+    server_info_path: ClassVar[str | None] = None
     protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
 
     def __init__(self, protocol: str = PROTOCOL_0_32) -> None:
@@ -180,8 +181,11 @@ class VllmNixlAdapter:
     def protocol(self) -> str:
         return self._protocol
 
-    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int) -> Plan:
+    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int, server_info: ServerInfo | None) -> Plan:
         return Plan(prefill_body=prefill_body(request))
 
     def decide(self, request: ClientRequest, reply: PrefillReply) -> DecodeWith:
         return DecodeWith(decode_body(request, handoff_from_reply(reply, self._protocol)))
+
+    def check_background(self, reply: PrefillReply) -> None:
+        raise AssertionError("a sequential adapter has no background prefill")

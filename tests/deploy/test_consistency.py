@@ -174,6 +174,26 @@ def test_network_policy_ports_follow_the_settings(manifests: Manifests, k8s_sett
                 assert any(ipaddress.ip_address("10.1.2.3") in e for e in excepted)
 
 
+def _admits(rule: dict[str, Any], port: int) -> bool:
+    ports = rule.get("ports")
+    if not ports:
+        return True
+    return any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports if isinstance(p["port"], int))
+
+
+def test_only_the_gateway_and_the_picker_reach_envoy(manifests: Manifests, k8s_settings: Settings) -> None:
+    decode = manifests.get("NetworkPolicy", "pd-decode")["spec"]
+    gateway_route = manifests.get("Gateway", "pd-gateway")["metadata"]["name"]
+    for rule in decode["ingress"]:
+        if not _admits(rule, k8s_settings.listen.port):
+            continue
+        peers = rule["from"]
+        assert len(peers) == 2
+        assert peers[0]["podSelector"]["matchLabels"] == {"gateway.envoyproxy.io/owning-gateway-name": gateway_route}
+        assert peers[1]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pd-epp"}
+    assert sum(_admits(rule, k8s_settings.metrics_listen.port) for rule in decode["ingress"]) == 1
+
+
 def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifests: Manifests,
                                                                          k8s_settings: Settings) -> None:
     pod = manifests.pod("pd-decode")

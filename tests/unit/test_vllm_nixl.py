@@ -87,7 +87,7 @@ def test_invalid_handoffs_name_the_field(params: Any, param: str) -> None:
 def test_adapter_forwards_the_reply_handoff_verbatim() -> None:
     adapter = VllmNixlAdapter()
     client = request("/v1/completions", {"prompt": "p", "max_tokens": 4})
-    plan = adapter.plan(client, parse_prefill_target(["10.0.0.1:8000"]), 0)
+    plan = adapter.plan(client, parse_prefill_target(["10.0.0.1:8000"]), 0, None)
     assert json.loads(plan.prefill_body)["max_tokens"] == 1
     handoff = json.dumps(HANDOFF, indent=1).encode()
     reply = PrefillReply(200, "application/json", b'{"id": "x", "kv_transfer_params": ' + handoff + b"}")
