@@ -1,0 +1,1 @@
+"""Deployment artefacts: the manifest generator and the offline validators (not part of the runtime)."""

