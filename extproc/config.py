@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,8 @@ class Settings:
     prefill_key_file: str = ""
     prefill_server_name: str = ""
     trusted_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    tracing: str = "off"
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: str = "info"
     demo: bool = False
 
@@ -133,6 +136,13 @@ def _show_networks(value: Any) -> str:
     return ",".join(str(network) for network in value)
 
 
+def _http_url(text: str) -> str:
+    url = text.strip()
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
+        raise ValueError("expected an http:// or https:// URL")
+    return url
+
+
 def _file(text: str) -> str:
     path = text.strip()
     if path and not os.path.isfile(path):
@@ -199,6 +209,8 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("trusted_sources", _networks,
                 "CIDRs allowed to set x-prefiller-host-port (Envoy drops it from other peers); empty = all",
                 show=_show_networks),
+    SettingSpec("tracing", _choice(("off", "otlp")), "OpenTelemetry spans: off, or otlp (OTLP/HTTP JSON export)"),
+    SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
     SettingSpec("log_level", _choice(LOG_LEVELS), "log level: debug, info, warning, error"),
     SettingSpec("demo", _parse_bool, "demo mode (pd-extproc up): start emulated workers"),
 )

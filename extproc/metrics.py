@@ -5,9 +5,13 @@ Every metric is updated once per request, from its RequestRecord, when the reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from extproc.tracing import RequestTrace
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -30,7 +34,7 @@ class RequestRecord:
     body_bytes: int | None = None
     prefill_response_bytes: int | None = None
     handoff_problem: str | None = None  # a field name from the adapter's fixed list
-    extra: dict[str, object] = field(default_factory=dict)
+    trace: RequestTrace | None = None  # only with PD_EXTPROC_TRACING=otlp
 
 
 class Metrics:

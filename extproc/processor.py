@@ -16,17 +16,21 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoy_messages as msg
-from extproc.adapters.base import Adapter, AnswerDirectly, Flow, Plan
+from extproc.adapters.base import Adapter, AnswerDirectly, Flow, Plan, PrefillReply
 from extproc.errors import Code, PdError
 from extproc.headers import prefill_headers
 from extproc.metrics import Metrics, RequestRecord
 from extproc.openai_request import ClientRequest, parse_client_request
 from extproc.prefill_target import HEADER, parse_prefill_target
 from extproc.upstream import PrefillClient, ResolvedTarget
+
+if TYPE_CHECKING:
+    from extproc.tracing import Tracing
 
 log = logging.getLogger("extproc.request")
 
@@ -91,8 +95,10 @@ class PdProcessor:
         max_request_bytes: int,
         admission: Admission,
         metrics: Metrics,
+        tracing: Tracing | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
+        self._tracing = tracing
         self._adapter = adapter
         self._prefill = prefill
         self._max_request_bytes = max_request_bytes
@@ -102,7 +108,22 @@ class PdProcessor:
         self._adapter_name = adapter.name if adapter is not None else "none"
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
-        return RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name, time.perf_counter())
+        record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
+                               time.perf_counter())
+        if self._tracing is not None:
+            record.trace = self._tracing.begin(head.headers)
+        return record
+
+    async def _post_prefill(self, head: msg.RequestHead, request: ClientRequest, target: ResolvedTarget,
+                            body: bytes, record: RequestRecord) -> PrefillReply:
+        headers = prefill_headers(head.headers)
+        if record.trace is None:
+            return await self._prefill.post(target, request.path, headers, body, record)
+        headers = record.trace.start_prefill(headers)
+        try:
+            return await self._prefill.post(target, request.path, headers, body, record)
+        finally:
+            record.trace.end_prefill(record.prefill_status)
 
     async def on_headers(self, head: msg.RequestHead) -> Pending | pb.ProcessingResponse:
         """Everything that needs only the head: the kill switch, draining, the target and its policy.
@@ -180,9 +201,7 @@ class PdProcessor:
     async def _background_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                                   target: ResolvedTarget, record: RequestRecord, plan: Plan) -> None:
         try:
-            reply = await self._prefill.post(target, request.path, prefill_headers(head.headers), plan.prefill_body,
-                                             record)
-            adapter.check_background(reply)
+            adapter.check_background(await self._post_prefill(head, request, target, plan.prefill_body, record))
         except PdError as error:
             record.handoff_problem = error.code.value
             self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
@@ -202,8 +221,7 @@ class PdProcessor:
     async def _run_sequential(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                               target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
         plan = await self._plan(adapter, request, target)
-        reply = await self._prefill.post(target, request.path, prefill_headers(head.headers), plan.prefill_body,
-                                         record)
+        reply = await self._post_prefill(head, request, target, plan.prefill_body, record)
         decision = adapter.decide(request, reply)
         if isinstance(decision, AnswerDirectly):
             record.outcome = "answered_by_prefill"
@@ -224,6 +242,8 @@ class PdProcessor:
         record.outcome, record.status = outcome, status
         total = time.perf_counter() - record.started
         self._metrics.finish(record, total)
+        if record.trace is not None:
+            record.trace.finish(record.adapter, outcome, status)
         log.info("pd_request", extra={
             "request_id": record.request_id,
             "adapter": record.adapter,

@@ -12,6 +12,7 @@ import logging
 import signal
 import ssl
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -28,6 +29,9 @@ from extproc.metrics import Metrics
 from extproc.prefill_policy import PrefillPolicy
 from extproc.processor import Admission, PdProcessor, Pending
 from extproc.upstream import PrefillClient, PrefillLimits, PrefillTls, tls_context
+
+if TYPE_CHECKING:
+    from extproc.tracing import Tracing
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -102,6 +106,16 @@ def _prefill_tls(settings: Settings) -> PrefillTls | None:
     return PrefillTls(context, settings.prefill_server_name)
 
 
+def _tracing(settings: Settings) -> Tracing | None:
+    if settings.tracing == "off":
+        return None
+    try:
+        from extproc.tracing import Tracing
+    except ImportError:
+        raise ConfigError("PD_EXTPROC_TRACING=otlp needs the otel extra: pip install 'pd-extproc[otel]'") from None
+    return Tracing(settings.otlp_endpoint)
+
+
 class ExtProcServer:
     """The server and everything it owns, built from Settings. Construct inside the running loop."""
 
@@ -117,9 +131,10 @@ class ExtProcServer:
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
         ), self.policy, _prefill_tls(settings))
+        self.tracing = _tracing(settings)
         self.processor = PdProcessor(
             build_adapter(settings.adapter, settings.protocol), self.prefill, settings.max_request_bytes,
-            self.admission, self.metrics,
+            self.admission, self.metrics, self.tracing,
         )
         self.health = HealthServicer()
         self.http = HttpServer(self._http)
@@ -186,6 +201,8 @@ class ExtProcServer:
             await asyncio.gather(*late, return_exceptions=True)
         await self.prefill.aclose()
         await self.http.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued
 
 
 async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> None:

@@ -4,6 +4,7 @@ during drain, and Envoy's own timeout for a stuck ext_proc server."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import signal
 import threading
@@ -241,3 +242,57 @@ def _extproc_healthy(envoy: stack_module.EnvoyProcess) -> bool:
             statuses = cluster["host_statuses"][0]["health_status"]
             return statuses.get("eds_health_status") == "HEALTHY" and not statuses.get("failed_active_health_check")
     return False
+
+
+class Collector:
+    """A stand-in OTLP/HTTP collector that keeps every span it is sent."""
+
+    def __init__(self) -> None:
+        spans: list[dict[str, Any]] = []
+        self.spans = spans
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                for resource in body["resourceSpans"]:
+                    for scope in resource["scopeSpans"]:
+                        spans.extend(scope["spans"])
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_optional_spans_nest_under_the_client_trace_and_parent_the_prefill_leg(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PD_EXTPROC_TRACING=otlp: pd.request is a child of the client's span, pd.prefill a child of
+    pd.request, and the prefill worker's traceparent names pd.prefill, all in the client's trace."""
+    collector = Collector()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        with running_stack({"PD_EXTPROC_TRACING": "otlp", "PD_EXTPROC_OTLP_ENDPOINT": collector.endpoint}) as stack:
+            response = post(stack, CHAT, chat_body(max_tokens=2),
+                            traceparent=f"00-{trace_id}-{client_span}-01")
+            assert response.status_code == 200
+            assert _wait_for(lambda: len(collector.spans) >= 2), "spans must reach the collector"
+            prefill_parent = dict(stack.prefill.requests()[0]["headers"])["traceparent"].split("-")
+    finally:
+        collector.close()
+    by_name = {span["name"]: span for span in collector.spans}
+    request, prefill = by_name["pd.request"], by_name["pd.prefill"]
+    assert request["traceId"] == prefill["traceId"] == prefill_parent[1] == trace_id
+    assert request["parentSpanId"] == client_span
+    assert prefill["parentSpanId"] == request["spanId"]
+    assert prefill_parent[2] == prefill["spanId"]
+    attributes = {a["key"]: a["value"] for a in request["attributes"]}
+    assert attributes["pd.outcome"] == {"stringValue": "ok"}

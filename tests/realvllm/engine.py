@@ -42,6 +42,7 @@ ENV_MODEL = "PD_REALVLLM_MODEL"
 ENV_PYTHON = "PD_REALVLLM_PYTHON"
 ENV_MODEL_DIR = "PD_REALVLLM_MODEL_DIR"
 ENV_STARTUP_TIMEOUT = "PD_REALVLLM_STARTUP_TIMEOUT"
+ENV_KEEP_LOGS = "PD_REALVLLM_KEEP_LOGS"  # keep the vLLM logs directory (its path is printed at the end)
 
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model"

@@ -141,7 +141,7 @@ def _served_model(worker: Engine) -> str:
 def running_stage() -> Iterator[RealPd]:
     timings = Timings()
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-realvllm-"))
-    keep_logs = os.environ.get("PD_EXTPROC_KEEP_LOGS") is not None
+    keep_logs = os.environ.get(engine.ENV_KEEP_LOGS) is not None
     workers: list[Engine] = []
     try:
         external = engine.external_endpoints()
