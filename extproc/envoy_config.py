@@ -98,7 +98,7 @@ def _local_reply_config() -> dict[str, Any]:
     return {"mappers": mappers}
 
 
-def _ext_proc_filter(settings: Settings, header_mode: str) -> dict[str, Any]:
+def _ext_proc_filter(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         _TYPE: _EXT_PROC,
         "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
@@ -106,7 +106,9 @@ def _ext_proc_filter(settings: Settings, header_mode: str) -> dict[str, Any]:
         "status_on_error": {"code": 503},
         "message_timeout": format_duration(settings.message_timeout),
         "processing_mode": {
-            "request_header_mode": "SEND" if header_mode == "send" else "SKIP",
+            # SEND, not SKIP + CEL attributes: with the headers phase skipped, Envoy never calls us for a
+            # body-less POST, which then reaches decode without a handoff (README, "Design notes").
+            "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
             "request_trailer_mode": "SKIP",
             # Concurrent engines (SGLang): the stream stays open until decode answers, so a client that
@@ -116,8 +118,6 @@ def _ext_proc_filter(settings: Settings, header_mode: str) -> dict[str, Any]:
             "response_trailer_mode": "SKIP",
         },
     }
-    if header_mode == "attributes":
-        config["request_attributes"] = ["request.headers", "request.path", "request.id"]
     return config
 
 
@@ -155,13 +155,13 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
     return [pd_route, passthrough]
 
 
-def _connection_manager(settings: Settings, header_mode: str, pd_enabled: bool) -> dict[str, Any]:
+def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
     filters: list[dict[str, Any]] = [
         {"name": "envoy.filters.http.body_size_limit",
          "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
     ]
     if pd_enabled:
-        filters.append({"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings, header_mode)})
+        filters.append({"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
     return {
         _TYPE: _HCM,
@@ -193,23 +193,23 @@ def _connection_manager(settings: Settings, header_mode: str, pd_enabled: bool) 
     }
 
 
-def _filter_chains(settings: Settings, header_mode: str) -> list[dict[str, Any]]:
+def _filter_chains(settings: Settings) -> list[dict[str, Any]]:
     """With trusted_sources, only those peers may use the P/D route; everyone else gets a chain
     without it, where x-prefiller-host-port is dropped and the request is a plain passthrough."""
     hcm_filter = "envoy.filters.network.http_connection_manager"
     trusted: dict[str, Any] = {"filters": [
-        {"name": hcm_filter, "typed_config": _connection_manager(settings, header_mode, True)}]}
+        {"name": hcm_filter, "typed_config": _connection_manager(settings, True)}]}
     if not settings.trusted_sources:
         return [trusted]
     trusted["filter_chain_match"] = {"source_prefix_ranges": [
         {"address_prefix": str(network.network_address), "prefix_len": network.prefixlen}
         for network in settings.trusted_sources
     ]}
-    untrusted = {"filters": [{"name": hcm_filter, "typed_config": _connection_manager(settings, header_mode, False)}]}
+    untrusted = {"filters": [{"name": hcm_filter, "typed_config": _connection_manager(settings, False)}]}
     return [trusted, untrusted]
 
 
-def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
+def render(settings: Settings) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     ext_proc_at = _connect_address(settings.grpc_listen)
     decode_host_is_ip = _is_ip(settings.decode.host)
@@ -261,13 +261,13 @@ def render(settings: Settings, header_mode: str = "send") -> dict[str, Any]:
             "listeners": [{
                 "name": "pd_ingress",
                 "address": _socket_address(settings.listen),
-                "filter_chains": _filter_chains(settings, header_mode),
+                "filter_chains": _filter_chains(settings),
             }],
             "clusters": clusters,
         },
     }
 
 
-def render_yaml(settings: Settings, header_mode: str = "send") -> str:
+def render_yaml(settings: Settings) -> str:
     header = ("# Rendered by `pd-extproc envoy-config` from PD_EXTPROC_* settings; edit the settings, not this file.\n")
-    return header + yaml.safe_dump(render(settings, header_mode), sort_keys=False, width=120)
+    return header + yaml.safe_dump(render(settings), sort_keys=False, width=120)

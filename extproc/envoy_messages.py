@@ -12,15 +12,9 @@ from dataclasses import dataclass
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from extproc.errors import Code, error_body
 
-# Attribute expressions the filter is configured to send with the body (see envoy_config.py).
-ATTR_NAMESPACE = "envoy.filters.http.ext_proc"
-ATTR_HEADERS = "request.headers"
-ATTR_PATH = "request.path"
-ATTR_REQUEST_ID = "request.id"
 JSON = b"application/json"
 
 
@@ -48,19 +42,6 @@ def head_from_headers(message: pb.HttpHeaders) -> RequestHead:
     )
     path = next((value for key, value in headers if key == ":path"), "")
     return RequestHead(path=path, headers=headers)
-
-
-def head_from_attributes(attributes: struct_pb2.Struct) -> RequestHead | None:
-    """The request head from CEL attributes sent with the body, or None if they are absent.
-
-    Envoy joins repeated header values with a comma in ``request.headers``; a comma is refused by
-    the x-prefiller-host-port parser, so a repeated header stays an error."""
-    fields = attributes.fields
-    if ATTR_HEADERS not in fields:
-        return None
-    header_map = fields[ATTR_HEADERS].struct_value.fields
-    headers = tuple((key.lower(), value.string_value) for key, value in header_map.items())
-    return RequestHead(path=fields[ATTR_PATH].string_value, headers=headers)
 
 
 def _header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
