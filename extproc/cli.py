@@ -64,7 +64,7 @@ def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     asyncio.run(emulator.run(
         args.engine, args.role, parse_address(args.listen, allow_port_zero=True),
         parse_address(args.side_channel, allow_port_zero=True), args.model, args.worker_id,
-        args.block_size, parse_duration(args.lease), tls,
+        args.block_size, parse_duration(args.lease), tls, parse_duration(args.kv_timeout),
     ))
     return 0
 
@@ -192,14 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up)
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
-    emulate.add_argument("--engine", choices=("vllm",), default="vllm")
+    emulate.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default="vllm")
     emulate.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
     emulate.add_argument("--listen", default="127.0.0.1:0", help="HTTP host:port (port 0 = any free port)")
-    emulate.add_argument("--side-channel", default="127.0.0.1:0", help="KV side-channel host:port (producer)")
+    emulate.add_argument("--side-channel", default="127.0.0.1:0",
+                         help="KV side channel host:port: vLLM's NIXL side channel, SGLang's bootstrap server, "
+                              "TensorRT-LLM's KV registry (prefill roles)")
     emulate.add_argument("--model", default="emulated")
     emulate.add_argument("--worker-id", default="")
     emulate.add_argument("--block-size", type=int, default=16)
     emulate.add_argument("--lease", default="30s", help="how long a producer holds unread KV blocks")
+    emulate.add_argument("--kv-timeout", default="300s",
+                         help="sglang: how long prefill waits for decode's claim and decode for prefill's room")
     emulate.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
     emulate.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
     emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")

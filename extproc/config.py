@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from extproc.adapters import REGISTRY, protocol_problem
 from extproc.prefill_policy import Rule, describe, parse_allow_list
@@ -58,6 +58,7 @@ class Settings:
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: str = "info"
     demo: bool = False
+    sglang_bootstrap_port: int | Literal["discover"] = 8998
 
     @property
     def message_timeout(self) -> float:
@@ -126,6 +127,15 @@ def _positive_size(text: str) -> int:
 
 def _text(text: str) -> str:
     return text.strip()
+
+
+def _bootstrap_port(text: str) -> int | Literal["discover"]:
+    value = text.strip()
+    if value == "discover":
+        return "discover"
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:
+        raise ValueError("expected a port 1-65535 or discover")
+    return int(value)
 
 
 def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -213,6 +223,9 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
     SettingSpec("log_level", _choice(LOG_LEVELS), "log level: debug, info, warning, error"),
     SettingSpec("demo", _parse_bool, "demo mode (pd-extproc up): start emulated workers"),
+    SettingSpec("sglang_bootstrap_port", _bootstrap_port,
+                "sglang adapter: the prefill workers' bootstrap port (1-65535), or discover (read "
+                "disaggregation_bootstrap_port from each prefill worker's /server_info, cached)"),
 )
 _SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
 

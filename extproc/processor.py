@@ -26,7 +26,7 @@ from extproc.errors import Code, PdError
 from extproc.headers import prefill_headers
 from extproc.metrics import Metrics, RequestRecord
 from extproc.openai_request import ClientRequest, parse_client_request
-from extproc.prefill_target import HEADER, parse_prefill_target
+from extproc.prefill_target import HEADER, PrefillTarget, parse_prefill_target
 from extproc.upstream import PrefillClient, ResolvedTarget
 
 if TYPE_CHECKING:
@@ -182,7 +182,10 @@ class PdProcessor:
         server_info = None
         if adapter.server_info_path is not None:
             server_info = await self._prefill.server_info(target, adapter.server_info_path)
-        return adapter.plan(request, target.target, self._nonce(), server_info)
+        # The adapter sees the address we checked, not the name: an engine that dials the prefill host
+        # itself (SGLang's bootstrap) must not resolve the name again to another address.
+        checked = PrefillTarget(host=str(target.ip), port=target.target.port, ip=target.ip)
+        return adapter.plan(request, checked, self._nonce(), server_info)
 
     async def _start_concurrent(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord

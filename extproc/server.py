@@ -47,8 +47,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         background: asyncio.Task[None] | None = None
+        seen: set[str] = set()
         try:
-            async for response in self._exchange(request_iterator):
+            async for response in self._exchange(request_iterator, seen):
                 if isinstance(response, asyncio.Task):
                     background = response
                     self._background.add(background)
@@ -61,14 +62,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if background is not None:
                 background.cancel()
             raise
+        if background is not None and "response_headers" not in seen:
+            # Envoy ended the stream before decode's response headers: the client is gone.
+            background.cancel()
 
     async def _exchange(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest]
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], seen: set[str]
     ) -> AsyncIterator[pb.ProcessingResponse | asyncio.Task[None]]:
         head: msg.RequestHead | None = None
         pending: Pending | None = None
         async for request in request_iterator:
             kind = request.WhichOneof("request")
+            seen.add(str(kind))
             if kind == "request_headers":
                 head = msg.head_from_headers(request.request_headers)
                 outcome = await self._processor.on_headers(head)
@@ -133,7 +138,7 @@ class ExtProcServer:
         ), self.policy, _prefill_tls(settings))
         self.tracing = _tracing(settings)
         self.processor = PdProcessor(
-            build_adapter(settings.adapter, settings.protocol), self.prefill, settings.max_request_bytes,
+            build_adapter(settings.adapter, settings.protocol, settings), self.prefill, settings.max_request_bytes,
             self.admission, self.metrics, self.tracing,
         )
         self.health = HealthServicer()

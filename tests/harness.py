@@ -24,6 +24,7 @@ from extproc.envoy_config import render_yaml
 from extproc.units import parse_address
 
 REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT = 90  # seconds a child may take to start on a loaded 2-core CI machine
 # What an operator of this test "cluster" would configure: loopback workers are the allowed targets.
 TEST_DEFAULTS = {
     "PD_EXTPROC_PREFILL_ALLOW": "127.0.0.0/8:*,[::1]/128:*",
@@ -45,6 +46,7 @@ class WorkerSpec:
     role: str
     extra: tuple[str, ...] = ()
     http_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # for the control client (TLS)
+    engine: str = "vllm"  # pd-extproc emulate --engine
 
 
 DEFAULT_WORKERS = (WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"))
@@ -53,19 +55,19 @@ DEFAULT_WORKERS = (WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decod
 class Worker:
     """An emulated engine process and a client for its /_emulator control endpoints."""
 
-    def __init__(self, spec: WorkerSpec, log_dir: Path, engine: str = "vllm"):
+    def __init__(self, spec: WorkerSpec, log_dir: Path):
         self.name = spec.name
         self.http_kwargs = dict(spec.http_kwargs)
         listen = () if "--listen" in spec.extra else ("--listen", "127.0.0.1:0")
         self.child = stack.python_child(spec.name, [
-            "emulate", "--engine", engine, "--role", spec.role, *listen, "--worker-id", spec.name, *spec.extra,
+            "emulate", "--engine", spec.engine, "--role", spec.role, *listen, "--worker-id", spec.name, *spec.extra,
         ], os.environ, log_dir)
         self.child.start()
         self.url = ""
         self.side_channel_port = 0
 
     def wait_ready(self) -> None:
-        line = self.child.wait_ready(30)
+        line = self.child.wait_ready(READY_TIMEOUT)
         self.http = httpx.Client(base_url=line.split()[1], timeout=30, **self.http_kwargs)
         self.url = line.split()[1]
         self.side_channel_port = int(line.split("side_channel=")[1])
@@ -138,7 +140,7 @@ class Stack:
         self.server = stack.python_child("pd-extproc", ["serve"], {**os.environ, **stack.settings_env(self.settings)},
                                          self.log_dir)
         self.server.start()
-        ready = self.server.wait_ready(30).split()
+        ready = self.server.wait_ready(READY_TIMEOUT).split()
         self.metrics_url = f"http://127.0.0.1:{ready[4]}"
 
     def reset(self) -> None:
@@ -197,9 +199,9 @@ def running_stack(env: Mapping[str, str] | None = None, workers: tuple[WorkerSpe
         config = log_dir / "envoy.yaml"
         config.write_text(render_yaml(running.settings))
         running.envoy = stack.EnvoyProcess.launch(running.settings.envoy_bin, config, log_dir)
-        running.url = "http://" + running.envoy.wait_ready(30)
+        running.url = "http://" + running.envoy.wait_ready(READY_TIMEOUT)
         yield running
     finally:
         running.stop()
-        if os.environ.get("PD_EXTPROC_KEEP_LOGS") is None:
+        if os.environ.get("PD_TEST_KEEP_LOGS") is None:
             shutil.rmtree(log_dir, ignore_errors=True)

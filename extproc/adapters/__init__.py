@@ -1,15 +1,27 @@
-"""Adapter registry: one line per engine protocol. ``none`` is the kill switch (no adapter)."""
+"""Adapter registry: one line per engine protocol. ``none`` is the kill switch (no adapter).
+
+A registry entry is ``name -> (protocol pins, default first; factory(pin, settings); flow)``. Adding an
+engine means one module in this package and one line here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
+from extproc.adapters import sglang, trtllm
 from extproc.adapters.base import Adapter, Flow
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 
-# name -> (supported protocol pins, the default pin first; factory taking the pin; flow)
-REGISTRY: Mapping[str, tuple[tuple[str, ...], Callable[[str], Adapter], Flow]] = {
-    VllmNixlAdapter.name: (VllmNixlAdapter.protocols, VllmNixlAdapter, VllmNixlAdapter.flow),
+if TYPE_CHECKING:
+    from extproc.config import Settings
+
+Factory = Callable[[str, "Settings"], Adapter]
+
+REGISTRY: Mapping[str, tuple[tuple[str, ...], Factory, Flow]] = {
+    VllmNixlAdapter.name: (VllmNixlAdapter.protocols, lambda pin, _: VllmNixlAdapter(pin), VllmNixlAdapter.flow),
+    sglang.SglangAdapter.name: (sglang.PROTOCOLS, sglang.build, sglang.SglangAdapter.flow),
+    trtllm.TrtllmAdapter.name: (trtllm.PROTOCOLS, trtllm.build, trtllm.TrtllmAdapter.flow),
 }
 
 
@@ -30,9 +42,14 @@ def protocol_problem(adapter: str, protocol: str) -> str | None:
     return None
 
 
-def build_adapter(adapter: str, protocol: str) -> Adapter | None:
-    """The adapter for a validated setting pair; None for the ``none`` kill switch."""
+def build_adapter(adapter: str, protocol: str, settings: Settings | None = None) -> Adapter | None:
+    """The adapter for a validated setting pair; None for the ``none`` kill switch. ``settings``
+    carries adapter-specific settings (sglang_bootstrap_port); without it the defaults apply."""
     if adapter == "none":
         return None
+    if settings is None:
+        from extproc.config import Settings
+
+        settings = Settings()
     pins, factory, _ = REGISTRY[adapter]
-    return factory(protocol or pins[0])
+    return factory(protocol or pins[0], settings)

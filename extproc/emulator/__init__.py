@@ -7,10 +7,16 @@ import os
 import signal
 import ssl
 import sys
+from typing import TYPE_CHECKING
 
 from extproc.units import Address
 
-ENGINES = ("vllm",)
+if TYPE_CHECKING:
+    from extproc.emulator.sglang import SglangEmulator
+    from extproc.emulator.trtllm import TrtllmEmulator
+    from extproc.emulator.vllm import VllmEmulator
+
+ENGINES = ("vllm", "sglang", "trtllm")
 ROLES = ("prefill", "decode", "both")
 
 
@@ -27,12 +33,13 @@ def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLCon
 
 
 async def run(engine: str, role: str, listen: Address, side_listen: Address, model: str,
-              worker_id: str, block_size: int, lease_seconds: float, tls: ssl.SSLContext | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; print ``ready http(s)://HOST:PORT side_channel=N`` once listening."""
-    from extproc.emulator.vllm import VllmEmulator
-
-    emulator = VllmEmulator(role, model, worker_id or f"{role}-{os.getpid()}", side_listen.host,
-                            block_size, lease_seconds)
+              worker_id: str, block_size: int, lease_seconds: float, tls: ssl.SSLContext | None = None,
+              kv_timeout: float = 300.0) -> None:
+    """Serve until SIGTERM/SIGINT; print ``ready http(s)://HOST:PORT side_channel=N`` once listening.
+    The side channel is vLLM's NIXL side channel, SGLang's bootstrap server, or TensorRT-LLM's KV
+    registry (``ctx_info_endpoint``); 0 on a worker that has none."""
+    emulator = _build(engine, role, side_listen.host, model, worker_id or f"{role}-{os.getpid()}", block_size,
+                      lease_seconds, kv_timeout)
     port = await emulator.start(listen.host, listen.port, side_listen.port, tls)
     host = f"[{listen.host}]" if ":" in listen.host else listen.host
     scheme = "https" if tls is not None else "http"
@@ -44,3 +51,16 @@ async def run(engine: str, role: str, listen: Address, side_listen: Address, mod
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await emulator.close()
+
+
+def _build(engine: str, role: str, side_host: str, model: str, worker_id: str, block_size: int,
+           lease_seconds: float, kv_timeout: float) -> VllmEmulator | SglangEmulator | TrtllmEmulator:
+    from extproc.emulator.sglang import SglangEmulator
+    from extproc.emulator.trtllm import TrtllmEmulator
+    from extproc.emulator.vllm import VllmEmulator
+
+    if engine == "sglang":
+        return SglangEmulator(role, model, worker_id, side_host, kv_timeout)
+    if engine == "trtllm":
+        return TrtllmEmulator(role, model, worker_id, side_host, lease_seconds)
+    return VllmEmulator(role, model, worker_id, side_host, block_size, lease_seconds)

@@ -50,6 +50,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         real = getattr(item, "funcargs", {}).get("real_pd")
         if isinstance(real, RealPd):
             report.sections.append(("logs of the real-vLLM stage", real.logs()))
+            stalled = real.stalls.between(call.start, call.stop) if real.stalls else []
+            if stalled:
+                report.sections.append(("machine stalls", (
+                    f"this process was not scheduled for {', '.join(f'{s:.1f}s' for s in stalled)} while the test "
+                    "ran: the whole machine stalled (VM paused by its host?); timeouts and KV leases count "
+                    "that time too")))
     return report
 
 

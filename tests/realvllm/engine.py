@@ -58,9 +58,15 @@ NOTIFICATIONS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 FINISHED_REQUESTS = "vllm:request_success_total"  # every finished request, labelled by finish reason
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
-PRODUCER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+# The producer's KV lease (vLLM default 30 s) is raised to 120 s: a shared CI VM can be frozen by its host
+# for up to ~30 s (observed), and a lease that expires inside such a freeze is a failure of the
+# machine, not of the handoff. Unpulled handoffs are still caught: each must show up as a transfer.
+KV_LEASE_SECONDS = 120
+PRODUCER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+                   "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}}
 CONSUMER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
-                   "kv_load_failure_policy": "fail"}
+                   "kv_load_failure_policy": "fail",
+                   "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}}
 
 
 class EngineStartError(RuntimeError):

@@ -14,6 +14,7 @@ import ipaddress
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,36 @@ class Timings:
     front_ready: float = 0.0
 
 
+class StallWatch:
+    """Notices when the whole machine stops running this process for seconds (a VM paused by its host,
+    seen on shared 2-core machines under load). Nothing is retried or excused because of it: a failing
+    test's report just says that the machine stalled while it ran, and the summary prints the longest."""
+
+    def __init__(self, threshold: float = 2.0, interval: float = 0.05) -> None:
+        self.threshold = threshold
+        self.interval = interval
+        self.stalls: list[tuple[float, float]] = []  # (wall-clock end, seconds lost)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            lost = now - last - self.interval
+            if lost > self.threshold:
+                self.stalls.append((time.time(), lost))
+            last = now
+
+    def between(self, start: float, stop: float) -> list[float]:
+        return [lost for end, lost in self.stalls if start <= end <= stop + 1.0]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
@@ -84,6 +115,7 @@ class RealPd:
     baseline: NixlCounters
     ledger: Ledger = field(default_factory=Ledger)
     launched_here: bool = True
+    stalls: StallWatch | None = None
 
     def envoy(self) -> httpx.Client:
         return self.front.client(timeout=120)
@@ -140,6 +172,7 @@ def _served_model(worker: Engine) -> str:
 @contextlib.contextmanager
 def running_stage() -> Iterator[RealPd]:
     timings = Timings()
+    stalls = StallWatch()
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-realvllm-"))
     keep_logs = os.environ.get(engine.ENV_KEEP_LOGS) is not None
     workers: list[Engine] = []
@@ -161,7 +194,7 @@ def running_stage() -> Iterator[RealPd]:
         with running_stack(front_env, workers=()) as front:
             timings.front_ready = time.monotonic()
             real = RealPd(prefill, decode, front, model, NixlCounters.read(prefill, decode),
-                          launched_here=external is None)
+                          launched_here=external is None, stalls=stalls)
             yield real
             _report_counters(real, real.counters())
     except Exception:
@@ -171,7 +204,11 @@ def running_stage() -> Iterator[RealPd]:
         for worker in workers:
             worker.close()
         stopped = time.monotonic()
+        stalls.stop()
         _report(timings, stopped, log_dir if keep_logs else None)
+        worst = max((lost for _, lost in stalls.stalls), default=0.0)
+        REPORT.append(f"machine stalls over {stalls.threshold:g}s while the stage ran: {len(stalls.stalls)}"
+                      + (f", longest {worst:.1f}s" if stalls.stalls else ""))
         if not keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -1,0 +1,59 @@
+"""Helpers the SGLang and TensorRT-LLM emulators share: reading the OpenAI body, scripted
+misbehaviour (delay, hang, an error status, a dropped connection), and the KV client session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from extproc.emulator import text
+from extproc.httpserver import RawResponse, Reply, Response
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+WORKER_HEADER = "x-emulator-worker"
+
+
+def prompt_text(body: dict[str, Any], chat: bool) -> str:
+    return text.chat_prompt(body.get("messages")) if chat else text.completion_prompt(body.get("prompt"))
+
+
+def max_tokens(body: dict[str, Any], chat: bool, default: int) -> int:
+    for name in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+async def misbehave(behaviour: dict[str, Any], error: Callable[[int, str], Response]) -> Reply | None:
+    """Scripted failures before any normal processing: ``delay`` (seconds), ``hang``, ``status``
+    (answered with the engine's own error shape), ``close`` (the connection drops at once)."""
+    if "delay" in behaviour:
+        await asyncio.sleep(float(behaviour["delay"]))
+    if behaviour.get("hang"):
+        await asyncio.Event().wait()
+    if "status" in behaviour:
+        return error(int(behaviour["status"]), "emulated failure")
+    if behaviour.get("close"):
+        return RawResponse(_close_at_once)
+    return None
+
+
+async def _close_at_once(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+def client_session(timeout: float) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), trust_env=False)
+
+
+def authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,395 @@
+"""An emulated SGLang 0.5.23 OpenAI server in PD disaggregation mode: a prefill worker (with its
+bootstrap server) or a decode worker. Shapes follow SGLang's own source (PROTOCOL.md, "sglang").
+
+Prefill (``--disaggregation-mode prefill``): a request must carry ``bootstrap_room`` (else 400, as the
+scheduler refuses it). Its room is registered on the worker's bootstrap server and the request waits
+until a decode worker claims the room (the KV "transfer"), then answers with its one token. No claim
+within the bootstrap timeout: 500, "Prefill bootstrap failed ... timed out ... in KVPoll.Bootstrapping".
+A client that disconnects aborts the request and frees the room.
+
+Decode (``--disaggregation-mode decode``): a request with a room asks the prefill worker's bootstrap
+server (``bootstrap_host:bootstrap_port``, or this worker's default port when the request has none)
+for its parallel info (``GET /route``, as SGLang does), then claims the room, waiting for the prefill
+request to register it. Only a room registered by a prefill request with the same prompt can be
+claimed, and only once. Any failure answers like SGLang's decode: 500 "Decode handshake failed ...",
+or an error event inside a stream. The bootstrap server's real routes (``/route``,
+``/register_dp_rank``, ``/query_dp_ranks``, ``/health``) are served; the claim itself
+(``/_emulator/claim``) stands in for the engines' ZMQ/RDMA exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import ssl
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from extproc.emulator import common, text
+from extproc.emulator.control import Control, Received
+from extproc.httpserver import HttpServer, Reply, Request, Response, StreamResponse
+
+SGLANG_VERSION = "0.5.23"
+DEFAULT_BOOTSTRAP_PORT = 8998
+DEFAULT_MAX_TOKENS = 16
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up/health requests: no transfer
+ROUTE_ATTEMPTS = 3  # decode's retries of GET /route before it aborts the request
+MODES = {"prefill": "prefill", "decode": "decode", "both": "null"}
+
+
+def error_response(status: int, message: str, kind: str) -> Response:
+    """SGLang's ErrorResponse: top-level, not wrapped in {"error": ...} (serving_base.py)."""
+    return Response(status, orjson.dumps({"object": "error", "message": message, "type": kind, "param": None,
+                                          "code": status}))
+
+
+def bad_request(message: str) -> Response:
+    return error_response(400, message, "BadRequest")
+
+
+def stream_error_event(status: int, name: str, message: str) -> bytes:
+    """create_streaming_error_response: Python json.dumps spacing, inside {"error": ...}."""
+    error = {"object": "error", "message": message, "type": name, "param": None, "code": status}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+def _scalar(value: Any) -> Any:
+    """SGLang accepts each bootstrap field as a scalar or a per-prompt list; one prompt here."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+@dataclass
+class Room:
+    registered: asyncio.Event = field(default_factory=asyncio.Event)
+    claimed: asyncio.Event = field(default_factory=asyncio.Event)
+    prompt_sha: str = ""
+    prompt_tokens: int = 0
+    prefill_rid: str = ""
+    claimed_by: str = ""
+    aborted: bool = False
+
+
+@dataclass
+class Counters:
+    transfers: int = 0
+    failed_transfers: int = 0
+    bootstrap_failures: int = 0
+    rooms_registered: int = 0
+
+
+class SglangEmulator:
+    def __init__(self, role: str, model: str, worker_id: str, bootstrap_host: str, kv_timeout: float,
+                 default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
+        assert role in MODES
+        self.role = role
+        self.model = model
+        self.worker_id = worker_id
+        self.bootstrap_host = bootstrap_host
+        self.bootstrap_port = default_bootstrap_port if role == "decode" else 0
+        self.kv_timeout = kv_timeout
+        self.port = 0
+        self.rooms: dict[int, Room] = {}
+        self.room_to_dp_rank: dict[int, int] = {}
+        self.counters = Counters()
+        self.server_info_overrides: dict[str, Any] = {}
+        self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
+                                "version": SGLANG_VERSION})
+        self.http = HttpServer(self.handle, on_disconnect=self.control.disconnected)
+        self.bootstrap = HttpServer(self.handle_bootstrap)
+        self._client: aiohttp.ClientSession | None = None
+
+    async def start(self, host: str, port: int, bootstrap_port: int, tls: ssl.SSLContext | None = None) -> int:
+        self._client = common.client_session(self.kv_timeout + 10)
+        self.port = await self.http.start(host, port, tls)
+        if self.role != "decode":
+            self.bootstrap_port = await self.bootstrap.start(self.bootstrap_host, bootstrap_port)
+        self.control.info.update({"port": self.port, "bootstrap_port": self.bootstrap_port})
+        return self.port
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.bootstrap.close()
+        if self._client is not None:
+            await self._client.close()
+
+    @property
+    def side_port(self) -> int:
+        return self.bootstrap_port
+
+    # --- the HTTP server ---------------------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Reply:
+        if request.path == "/_emulator/server_info" and request.method == "POST":
+            self.server_info_overrides = orjson.loads(request.body)
+            return Response(200, b"{}")
+        if request.path == "/_emulator/reset" and request.method == "POST":
+            self.server_info_overrides = {}
+        control = await self.control.handle(request)
+        if control is not None:
+            return control
+        if request.path in ("/health", "/health_generate", "/ready"):
+            return Response(200, b"")
+        if request.path in ("/server_info", "/get_server_info"):
+            return Response(200, orjson.dumps(self.server_info()))
+        if request.path in ("/model_info", "/get_model_info"):
+            return Response(200, orjson.dumps({"model_path": self.model, "served_model_name": self.model,
+                                               "is_generation": True,
+                                               "disaggregation_mode": MODES[self.role]}))
+        if request.path == "/metrics":
+            return Response(200, self.metrics().encode(), content_type="text/plain; version=0.0.4")
+        if request.path == "/v1/models":
+            return Response(200, orjson.dumps({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                 "root": self.model, "max_model_len": 4096}]}))
+        if request.method != "POST" or request.path not in common.GENERATION_PATHS:
+            return Response(404, b'{"detail":"Not Found"}')
+        received = self.control.record(request)
+        reply = await self._generate(request, received)
+        if isinstance(reply, Response | StreamResponse):
+            self.control.finish(received, "answered", reply.status)
+        return reply
+
+    def server_info(self) -> dict[str, Any]:
+        """The keys of /server_info a router reads (build_server_info flattens ServerArgs)."""
+        return {
+            "model_path": self.model, "served_model_name": self.model, "host": "127.0.0.1", "port": self.port,
+            "tp_size": 1, "dp_size": 1, "disaggregation_mode": MODES[self.role],
+            "disaggregation_transfer_backend": "mooncake",
+            "disaggregation_bootstrap_port": self.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
+            "internal_states": [{}], "version": SGLANG_VERSION, "frontend": "python",
+            **self.server_info_overrides,
+        }
+
+    async def _generate(self, request: Request, received: Received) -> Reply:
+        behaviour = self.control.next_behaviour()
+        received.notes["behaviour"] = behaviour
+        misbehaviour = await common.misbehave(behaviour, lambda status, message: error_response(
+            status, message, str(status)))
+        if misbehaviour is not None:
+            return misbehaviour
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            return bad_request("Invalid JSON body")
+        if not isinstance(body, dict):
+            return bad_request("Invalid request body")
+        chat = request.path == "/v1/chat/completions"
+        if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
+            return bad_request("messages or prompt: Field required")
+        rid = secrets.token_hex(16)
+        prompt = common.prompt_text(body, chat)
+        room = _scalar(body.get("bootstrap_room"))
+        host = _scalar(body.get("bootstrap_host"))
+        received.notes.update(rid=rid, room=room)
+        if self.role == "both" or host == FAKE_BOOTSTRAP_HOST:
+            return self._answer(body, chat, rid, prompt, common.max_tokens(body, chat, DEFAULT_MAX_TOKENS))
+        if not isinstance(room, int) or isinstance(room, bool):
+            if room is None:
+                return bad_request("Invalid request: Disaggregated request received without bootstrap room id. "
+                                   f"req.rid='{rid}'")
+            return bad_request("bootstrap_room: Input should be a valid integer")
+        if self.role == "prefill":
+            return await self._prefill(body, chat, rid, prompt, room, received, behaviour)
+        port = _scalar(body.get("bootstrap_port")) or self.bootstrap_port
+        return await self._decode(body, chat, rid, prompt, (str(host), int(port), room), received)
+
+    # --- prefill: register the room, wait for the decode worker's claim --------------------------------
+
+    async def _prefill(self, body: dict[str, Any], chat: bool, rid: str, prompt: str, room: int,
+                       received: Received, behaviour: dict[str, Any]) -> Reply:
+        if "delay_register" in behaviour:
+            await asyncio.sleep(float(behaviour["delay_register"]))
+        state = self.rooms.setdefault(room, Room())
+        if state.registered.is_set():
+            return bad_request(f"bootstrap_room {room} is already in use")
+        state.prompt_sha = hashlib.sha256(prompt.encode()).hexdigest()
+        state.prompt_tokens = text.count_tokens(prompt)
+        state.prefill_rid = rid
+        state.registered.set()
+        self.room_to_dp_rank[room] = 0
+        self.counters.rooms_registered += 1
+        try:
+            async with asyncio.timeout(self.kv_timeout):
+                await state.claimed.wait()
+        except TimeoutError:
+            self.counters.bootstrap_failures += 1
+            received.notes["transfer"] = "bootstrap timeout"
+            message = (f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' req.bootstrap_room={room} "
+                       f"with exception Request {room} timed out after {self.kv_timeout:.1f}s in KVPoll.Bootstrapping")
+            return error_response(500, message, "500")
+        finally:
+            state.aborted = not state.claimed.is_set()
+            state.registered.set()
+            if self.rooms.get(room) is state:
+                del self.rooms[room]
+            self.room_to_dp_rank.pop(room, None)
+        received.notes.update(transfer="ok", claimed_by=state.claimed_by)
+        return self._answer(body, chat, rid, prompt, 1)
+
+    # --- decode: find the prefill worker's bootstrap server, claim the room -----------------------------
+
+    async def _decode(self, body: dict[str, Any], chat: bool, rid: str, prompt: str,
+                      bootstrap: tuple[str, int, int], received: Received) -> Reply:
+        host, port, room = bootstrap
+        received.notes["bootstrap"] = {"host": host, "port": port, "room": room}
+        problem = await self._pull(host, port, room, prompt, received)
+        if problem is None:
+            self.counters.transfers += 1
+            return self._answer(body, chat, rid, prompt, common.max_tokens(body, chat, DEFAULT_MAX_TOKENS))
+        self.counters.failed_transfers += 1
+        received.notes["transfer"] = problem
+        message = (f"Decode handshake failed for request rank=0 decode_req.req.rid='{rid}' "
+                   f"decode_req.req.bootstrap_room={room} with exception {problem}")
+        if body.get("stream") is True:
+            return StreamResponse(_one_event(stream_error_event(500, "INTERNAL_SERVER_ERROR", message)))
+        return error_response(500, message, "500")
+
+    async def _pull(self, host: str, port: int, room: int, prompt: str, received: Received) -> str | None:
+        """None when the room's KV arrived; otherwise what went wrong, in SGLang's words."""
+        assert self._client is not None
+        base = f"http://{common.authority(host, port)}"
+        for _ in range(ROUTE_ATTEMPTS):
+            try:
+                async with self._client.get(f"{base}/route", params={
+                        "prefill_dp_rank": "-1", "prefill_cp_rank": "-1", "target_tp_rank": "-1",
+                        "target_pp_rank": "-1"}) as route:
+                    if route.status == 200:
+                        break
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+        else:
+            return f"Could not fetch prefill parallel info from {common.authority(host, port)} after " \
+                   f"{ROUTE_ATTEMPTS} attempts"
+        claim = {"room": room, "prompt_sha": hashlib.sha256(prompt.encode()).hexdigest(), "decode": self.worker_id,
+                 "wait": self.kv_timeout}
+        try:
+            async with self._client.post(f"{base}/_emulator/claim", data=orjson.dumps(claim)) as reply:
+                answer = await reply.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            return f"KV transfer from {common.authority(host, port)} failed: {type(exc).__name__}"
+        if reply.status != 200:
+            return str(answer.get("error", "KV transfer failed"))
+        received.notes.update(transfer="ok", prefill_worker=answer.get("prefill_worker"))
+        return None
+
+    # --- the bootstrap server (prefill) ---------------------------------------------------------------
+
+    async def handle_bootstrap(self, request: Request) -> Reply:
+        if request.path == "/health":
+            return Response(200, b"OK", content_type="text/plain")
+        if request.path == "/route" and request.method == "GET":
+            return Response(200, orjson.dumps({
+                "attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1,
+                "kv_cache_dtype": "auto", "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
+                "enable_kv_cache_sharding": False, "prefill_http_port": self.port,
+                "decode_allocation_policy": "early"}))
+        if request.path == "/register_dp_rank" and request.method == "POST":
+            data = orjson.loads(request.body)
+            self.room_to_dp_rank[int(data["bootstrap_room"])] = int(data["dp_rank"])
+            return Response(200, b"OK", content_type="text/plain")
+        if request.path == "/query_dp_ranks" and request.method == "POST":
+            rooms = [int(r) for r in orjson.loads(request.body)["bootstrap_rooms"]]
+            return Response(200, orjson.dumps({str(r): self.room_to_dp_rank[r] for r in rooms
+                                               if r in self.room_to_dp_rank}))
+        if request.path == "/_emulator/claim" and request.method == "POST":
+            return await self._claim(orjson.loads(request.body))
+        return Response(404, b"Not Found", content_type="text/plain")
+
+    async def _claim(self, claim: dict[str, Any]) -> Response:
+        room = int(claim["room"])
+        wait = float(claim.get("wait", self.kv_timeout))
+        state = self.rooms.setdefault(room, Room())
+        try:
+            async with asyncio.timeout(wait):
+                await state.registered.wait()
+        except TimeoutError:
+            if self.rooms.get(room) is state and not state.registered.is_set():
+                del self.rooms[room]
+            return _claim_error(408, f"Request {room} timed out after {wait:.1f}s in KVPoll.WaitingForInput")
+        if state.aborted:
+            return _claim_error(410, f"Request {room} was aborted by the prefill worker")
+        if state.claimed.is_set():
+            return _claim_error(409, f"Request {room} was already transferred")
+        if claim.get("prompt_sha") != state.prompt_sha:
+            return _claim_error(409, f"Request {room}: the prefill worker computed the KV of another prompt")
+        state.claimed_by = str(claim.get("decode", ""))
+        state.claimed.set()
+        return Response(200, orjson.dumps({"prefill_worker": self.worker_id, "prompt_tokens": state.prompt_tokens}))
+
+    # --- responses ------------------------------------------------------------------------------------
+
+    def _answer(self, body: dict[str, Any], chat: bool, rid: str, prompt: str, limit: int) -> Reply:
+        tokens = text.generate(prompt, limit)
+        prompt_tokens = text.count_tokens(prompt)
+        if body.get("stream") is True:
+            return StreamResponse(self._stream(rid, chat, tokens, prompt_tokens, common.include_usage(body)))
+        usage = _usage(prompt_tokens, len(tokens))
+        content = "".join(tokens)
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content, "reasoning_content": None}
+        else:
+            choice["text"] = content
+        choice.update(logprobs=None, finish_reason="length", matched_stop=None)
+        payload = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                   "model": self.model, "choices": [choice], "usage": usage, "metadata": None}
+        return Response(200, orjson.dumps(payload), headers=[(common.WORKER_HEADER, self.worker_id)])
+
+    async def _stream(self, rid: str, chat: bool, tokens: list[str], prompt_tokens: int,
+                      usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: dict[str, Any], finish: str | None) -> bytes:
+            choice = {"index": 0, **piece, "logprobs": None, "finish_reason": finish, "matched_stop": None}
+            event = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [choice],
+                     "usage": None}
+            return b"data: " + orjson.dumps(event) + b"\n\n"
+
+        if chat:
+            yield chunk({"delta": {"role": "assistant", "content": "", "reasoning_content": None}}, None)
+        for i, token in enumerate(tokens):
+            finish = "length" if i == len(tokens) - 1 else None
+            piece = {"delta": {"role": None, "content": token, "reasoning_content": None}} if chat else {"text": token}
+            yield chunk(piece, finish)
+        if usage:
+            event = {"id": rid, "object": kind, "created": created, "model": self.model, "choices": [],
+                     "usage": _usage(prompt_tokens, len(tokens))}
+            yield b"data: " + orjson.dumps(event) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    def metrics(self) -> str:
+        c = self.counters
+        labels = f'{{model_name="{self.model}"}}'
+        return "\n".join([
+            "# TYPE emulator_kv_transfers counter", f"emulator_kv_transfers_total{labels} {float(c.transfers)}",
+            "# TYPE emulator_kv_transfer_failures counter",
+            f"emulator_kv_transfer_failures_total{labels} {float(c.failed_transfers)}",
+            "# TYPE emulator_bootstrap_failures counter",
+            f"emulator_bootstrap_failures_total{labels} {float(c.bootstrap_failures)}",
+            "# TYPE emulator_rooms_registered counter",
+            f"emulator_rooms_registered_total{labels} {float(c.rooms_registered)}",
+            "# TYPE emulator_rooms_open gauge", f"emulator_rooms_open{labels} {float(len(self.rooms))}",
+        ]) + "\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None, "reasoning_tokens": 0,
+            "completion_tokens_details": None}
+
+
+def _claim_error(status: int, message: str) -> Response:
+    return Response(status, orjson.dumps({"error": message}))
+
+
+async def _one_event(event: bytes) -> AsyncIterator[bytes]:
+    yield event
+    yield b"data: [DONE]\n\n"

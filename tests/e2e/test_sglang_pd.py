@@ -1,0 +1,270 @@
+"""SGLang PD through a real Envoy, our server and emulated SGLang prefill/decode workers.
+
+Mirrors the reference native-serving test: a non-empty multi-token completion served by distinct
+prefill and decode workers (each reports its worker id; both roles must have taken part), streaming
+and non-streaming; then SGLang's failure cases: prefill down, bad metadata, a prefill that fails
+after decode started, a prefill that is late, and a client that goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.emulator import text
+from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, completion_body, only, post
+from tests.harness import Stack, Worker, WorkerSpec, running_stack
+
+pytestmark = pytest.mark.dataplane
+
+KV_TIMEOUT = ("--kv-timeout", "3s")  # SGLang's bootstrap/waiting timeouts, short so failures end fast
+BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def sglang(name: str, role: str) -> WorkerSpec:
+    return WorkerSpec(name, role, KV_TIMEOUT, engine="sglang")
+
+
+def configured_port(workers: dict[str, Worker]) -> dict[str, str]:
+    return {"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": str(workers["prefill"].side_channel_port)}
+
+
+@pytest.fixture(scope="module")
+def sglang_stack() -> Iterator[Stack]:
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang"}, (sglang("prefill", "prefill"), sglang("decode", "decode")),
+                       env_from_workers=configured_port) as stack:
+        yield stack
+
+
+@pytest.fixture
+def sg(sglang_stack: Stack) -> Stack:
+    sglang_stack.reset()
+    return sglang_stack
+
+
+@pytest.fixture(scope="module")
+def discovering_stack() -> Iterator[Stack]:
+    workers = (sglang("prefill", "prefill"), sglang("prefill_bad", "prefill"), sglang("decode", "decode"))
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"},
+                       workers) as stack:
+        yield stack
+
+
+@pytest.fixture
+def disc(discovering_stack: Stack) -> Stack:
+    discovering_stack.reset()
+    return discovering_stack
+
+
+def scrape(stack: Stack) -> dict[str, float]:
+    samples = {}
+    for line in httpx.get(stack.metrics_url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
+    """Poll a condition that becomes true after the client's answer (background prefill bookkeeping)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def background_failures(stack: Stack, reason: str) -> float:
+    key = f'pd_extproc_background_prefill_failures_total{{adapter="sglang",reason="{reason}"}}'
+    return scrape(stack).get(key, 0.0)
+
+
+def sse_content(raw: str, chat: bool) -> tuple[str, list[dict[str, Any]]]:
+    events = [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", "the stream must end with [DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    pieces = [(c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
+              for c in chunks if c.get("choices")]
+    return "".join(pieces), chunks
+
+
+def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The prefill and decode workers each served one leg of the same room, and they are distinct."""
+    assert stack.prefill.wait("answered"), "the prefill request must finish once decode claimed the room"
+    prefill, decode = only(stack.prefill.requests()), only(stack.decode.requests())
+    room = decode["json"]["bootstrap_room"]
+    assert prefill["json"]["bootstrap_room"] == room and prefill["notes"]["transfer"] == "ok"
+    assert prefill["notes"]["claimed_by"] == "decode" and decode["notes"]["prefill_worker"] == "prefill"
+    infos = [worker.http.get("/_emulator/info").json() for worker in (stack.prefill, stack.decode)]
+    assert [(i["role"], i["worker_id"]) for i in infos] == [("prefill", "prefill"), ("decode", "decode")]
+    return prefill, decode
+
+
+# --- the reference matrix: a multi-token completion from distinct workers -------------------------
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=6, temperature=0)),
+                                       (COMPLETIONS, completion_body(max_tokens=6))], ids=["chat", "completions"])
+def test_non_streaming_completion_is_served_by_distinct_prefill_and_decode_workers(
+        sg: Stack, path: str, body: dict[str, Any]) -> None:
+    response = post(sg, path, body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-emulator-worker"] == "decode"
+    prefill, decode = assert_both_roles_took_part(sg)
+    prompt = text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
+    choice = response.json()["choices"][0]
+    content = choice["message"]["content"] if path == CHAT else choice["text"]
+    assert content == "".join(text.generate(prompt, 6)) and len(text.generate(prompt, 6)) > 1
+    assert response.json()["usage"]["completion_tokens"] == 6
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": sg.prefill.side_channel_port,
+              "bootstrap_room": decode["json"]["bootstrap_room"]}
+    assert decode["json"] == {**body, **fields}, "decode gets the client's request plus the bootstrap fields"
+    assert prefill["json"] == {**body, **fields, "stream": False}
+    assert 1 <= fields["bootstrap_room"] < 2**63 and isinstance(fields["bootstrap_room"], int)
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=5, stream=True)),
+                                       (COMPLETIONS, completion_body(max_tokens=5, stream=True,
+                                                                     stream_options={"include_usage": True}))],
+                         ids=["chat", "completions"])
+def test_streaming_completion_is_served_by_distinct_prefill_and_decode_workers(
+        sg: Stack, path: str, body: dict[str, Any]) -> None:
+    with sg.client() as client, client.stream("POST", path, content=json.dumps(body),
+                                              headers=sg.pd_headers()) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    content, chunks = sse_content(raw, path == CHAT)
+    prompt = text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
+    assert content == "".join(text.generate(prompt, 5))
+    prefill, decode = assert_both_roles_took_part(sg)
+    assert decode["json"]["stream"] is True and prefill["json"]["stream"] is False
+    assert "stream_options" not in prefill["json"], "the prefill leg is one JSON answer"
+    if "stream_options" in body:
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_each_request_gets_its_own_room(sg: Stack) -> None:
+    for _ in range(3):
+        assert post(sg, CHAT, chat_body(max_tokens=2)).status_code == 200
+    assert sg.prefill.wait("answered", count=3)
+    rooms = {r["json"]["bootstrap_room"] for r in sg.decode.requests()}
+    assert len(rooms) == 3 and rooms == {r["json"]["bootstrap_room"] for r in sg.prefill.requests()}
+
+
+def test_decode_waits_for_a_prefill_that_arrives_late(sg: Stack) -> None:
+    """The engines rendezvous on the room: decode's claim waits until prefill registers it."""
+    sg.prefill.script({"delay_register": 0.5})
+    response = post(sg, CHAT, chat_body(max_tokens=3))
+    assert response.status_code == 200, response.text
+    assert_both_roles_took_part(sg)
+
+
+# --- failures ----------------------------------------------------------------------------------------
+
+
+def test_prefill_down_fails_decode_like_sglang_and_counts_the_background_failure(sg: Stack) -> None:
+    """Nothing listens at the prefill host: decode cannot reach its bootstrap server and fails with
+    SGLang's own 500; our prefill request fails in the background and is counted."""
+    before = background_failures(sg, "prefill_upstream_unavailable")
+    response = post(sg, CHAT, chat_body(max_tokens=3), **{"x-prefiller-host-port": "127.0.0.2:9"})
+    assert response.status_code == 500
+    error = response.json()
+    assert error["object"] == "error" and error["code"] == 500
+    assert error["message"].startswith("Decode handshake failed") and "Could not fetch prefill parallel info" in \
+        error["message"]
+    assert only(sg.decode.requests())["json"]["bootstrap_host"] == "127.0.0.2"
+    assert sg.prefill.requests() == []
+    assert eventually(lambda: background_failures(sg, "prefill_upstream_unavailable") == before + 1)
+
+
+def test_prefill_error_after_decode_started_is_logged_counted_and_decode_times_out(sg: Stack) -> None:
+    before = background_failures(sg, "prefill_upstream_error")
+    sg.prefill.script({"status": 503})
+    response = post(sg, COMPLETIONS, completion_body(max_tokens=3))
+    assert response.status_code == 500, "decode never gets the room and fails after its waiting timeout"
+    assert "timed out" in response.json()["message"] and "WaitingForInput" in response.json()["message"]
+    assert only(sg.prefill.requests())["status"] == 503
+    assert eventually(lambda: background_failures(sg, "prefill_upstream_error") == before + 1)
+    assert eventually(lambda: '"outcome":"prefill_upstream_error"' in sg.server_log()), "and logged"
+
+
+def test_decode_failure_inside_a_stream_is_sglangs_error_event(sg: Stack) -> None:
+    with sg.client() as client, client.stream("POST", CHAT, content=json.dumps(chat_body(stream=True)),
+                                              headers=sg.pd_headers(**{"x-prefiller-host-port": "127.0.0.2:9"})
+                                              ) as response:
+        assert response.status_code == 200
+        raw = response.read().decode()
+    events = [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[0])["error"]
+    assert error["type"] == "INTERNAL_SERVER_ERROR" and error["code"] == 500
+
+
+@pytest.mark.parametrize("field,value", [("bootstrap_host", "10.1.2.3"), ("bootstrap_room", 7),
+                                         ("bootstrap_port", 8998)])
+def test_client_supplied_bootstrap_fields_are_refused_before_any_leg(sg: Stack, field: str, value: Any) -> None:
+    error = assert_error(post(sg, CHAT, chat_body(**{field: value})), 400, "invalid_request_field")
+    assert error["param"] == field
+    assert sg.prefill.requests() == [] and sg.decode.requests() == []
+
+
+def test_client_gone_while_decode_waits_cancels_the_prefill_request(sg: Stack) -> None:
+    """Decode is waiting for the room, prefill has not registered it; the client leaves. Envoy resets
+    our stream, the background prefill request is cancelled and the prefill worker sees it close."""
+    sg.prefill.script({"delay_register": 30})
+
+    async def abandon() -> None:
+        async with httpx.AsyncClient(base_url=sg.url, timeout=60) as client:
+            request = asyncio.ensure_future(client.post(CHAT, content=json.dumps(chat_body()),
+                                                        headers=sg.pd_headers()))
+            assert await asyncio.to_thread(lambda: sg.prefill.wait("pending") and sg.decode.wait("pending"))
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(abandon())
+    assert sg.prefill.wait("disconnected"), "the prefill request must be cancelled"
+    assert sg.decode.wait("disconnected"), "Envoy ends the decode request too"
+
+
+# --- discovery ---------------------------------------------------------------------------------------
+
+
+def test_discovered_bootstrap_port_is_the_prefill_workers_own(disc: Stack) -> None:
+    response = post(disc, CHAT, chat_body(max_tokens=4))
+    assert response.status_code == 200, response.text
+    _, decode = assert_both_roles_took_part(disc)
+    assert decode["json"]["bootstrap_port"] == disc.prefill.side_channel_port
+    assert [r["target"] for r in disc.prefill.requests()] == [CHAT], "/server_info is not a recorded request"
+
+
+def test_discovery_from_a_prefill_worker_that_is_down_stops_before_either_leg(disc: Stack) -> None:
+    response = post(disc, CHAT, chat_body(), **{"x-prefiller-host-port": "127.0.0.2:9"})
+    assert_error(response, 502, "prefill_upstream_unavailable")
+    assert disc.decode.requests() == [] and disc.prefill.requests() == []
+
+
+def test_bad_server_info_stops_before_either_leg(disc: Stack) -> None:
+    """A prefill worker that advertises its bootstrap port as a string (the processor caches the
+    document per endpoint, so this worker is used by this test only)."""
+    bad = disc.workers["prefill_bad"]
+    bad.http.post("/_emulator/server_info", json={"disaggregation_bootstrap_port": "8998"}).raise_for_status()
+    response = post(disc, CHAT, chat_body(), **{"x-prefiller-host-port": bad.address})
+    error = assert_error(response, 502, "invalid_prefill_handoff")
+    assert error["param"] == "server_info.disaggregation_bootstrap_port is invalid"
+    assert bad.requests() == [] and disc.decode.requests() == []
+
+
+def test_a_decode_worker_named_as_prefill_target_is_refused(disc: Stack) -> None:
+    response = post(disc, CHAT, chat_body(), **{"x-prefiller-host-port": disc.decode.address})
+    error = assert_error(response, 502, "invalid_prefill_handoff")
+    assert error["param"] == "server_info.disaggregation_mode is invalid"
+    assert disc.decode.requests() == []

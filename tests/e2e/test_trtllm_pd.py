@@ -1,0 +1,214 @@
+"""TensorRT-LLM disaggregated serving through a real Envoy, our server and emulated trtllm-serve
+context and generation workers.
+
+Mirrors the reference native-serving test: a non-empty multi-token completion served by distinct
+context and generation workers (each reports its worker id; both roles must have taken part),
+streaming and non-streaming; then the failure cases: context worker down, bad metadata (refused by
+us, or by the generation worker when it is well-formed but not what the context issued), a client
+that goes away, and a request whose first token already finished it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.emulator import text
+from tests.e2e.test_vllm_pd_contract import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    assert_no_leg_ran,
+    chat_body,
+    completion_body,
+    only,
+    post,
+)
+from tests.harness import Stack, WorkerSpec, running_stack
+
+pytestmark = pytest.mark.dataplane
+
+WORKERS = (WorkerSpec("prefill", "prefill", engine="trtllm"), WorkerSpec("decode", "decode", engine="trtllm"))
+
+
+@pytest.fixture(scope="module")
+def trtllm_stack() -> Iterator[Stack]:
+    with running_stack({"PD_EXTPROC_ADAPTER": "trtllm"}, WORKERS) as stack:
+        yield stack
+
+
+@pytest.fixture
+def trt(trtllm_stack: Stack) -> Stack:
+    trtllm_stack.reset()
+    return trtllm_stack
+
+
+def prompt_of(path: str, body: dict[str, Any]) -> str:
+    return text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
+
+
+def sse_events(raw: str) -> list[str]:
+    return [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str, Any]]:
+    context, generation = only(stack.prefill.requests()), only(stack.decode.requests())
+    issued = context["notes"]["disaggregated_params"]
+    assert generation["json"]["disaggregated_params"] == {**issued, "request_type": "generation_only"}
+    assert generation["notes"]["kv"] == "ok" and generation["notes"]["context_worker"] == "prefill"
+    infos = [worker.http.get("/_emulator/info").json() for worker in (stack.prefill, stack.decode)]
+    assert [(i["engine"], i["worker_id"]) for i in infos] == [("trtllm", "prefill"), ("trtllm", "decode")]
+    return context, generation
+
+
+# --- the reference matrix ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=6, temperature=0)),
+                                       (COMPLETIONS, completion_body(max_tokens=6))], ids=["chat", "completions"])
+def test_non_streaming_completion_is_served_by_distinct_context_and_generation_workers(
+        trt: Stack, path: str, body: dict[str, Any]) -> None:
+    response = post(trt, path, body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-emulator-worker"] == "decode"
+    context, generation = assert_both_roles_took_part(trt)
+    choice = response.json()["choices"][0]
+    content = choice["message"]["content"] if path == CHAT else choice["text"]
+    expected = text.generate(prompt_of(path, body), 6)
+    assert content == "".join(expected) and len(expected) > 1 and response.json()["usage"]["completion_tokens"] == 6
+    params = context["json"]["disaggregated_params"]
+    assert params["request_type"] == "context_only" and 2**40 <= params["disagg_request_id"] < 2**63
+    assert {k: v for k, v in context["json"].items() if k != "disaggregated_params"} == {
+        **body, "max_tokens": 1, "stream": False}
+    prompt_key = "prompt_token_ids" if path == CHAT else "prompt"
+    rest = {k: v for k, v in generation["json"].items() if k not in ("disaggregated_params", prompt_key)}
+    assert rest == {k: v for k, v in body.items() if k != prompt_key}, "the client's request, verbatim"
+    assert generation["json"][prompt_key] == context["notes"]["prompt_token_ids"], "the context's token ids"
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=5, stream=True,
+                                                        stream_options={"include_usage": True})),
+                                       (COMPLETIONS, completion_body(max_tokens=5, stream=True))],
+                         ids=["chat", "completions"])
+def test_streaming_completion_is_served_by_distinct_context_and_generation_workers(
+        trt: Stack, path: str, body: dict[str, Any]) -> None:
+    with trt.client() as client, client.stream("POST", path, content=json.dumps(body),
+                                               headers=trt.pd_headers()) as response:
+        assert response.status_code == 200
+        raw = response.read().decode()
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    pieces = [(c["choices"][0]["delta"].get("content") or "") if path == CHAT else c["choices"][0]["text"]
+              for c in chunks if c["choices"]]
+    assert "".join(pieces) == "".join(text.generate(prompt_of(path, body), 5))
+    context, generation = assert_both_roles_took_part(trt)
+    assert context["json"]["stream"] is False and "stream_options" not in context["json"]
+    assert generation["json"]["stream"] is True
+    if "stream_options" in body:
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+# --- the context phase already finished the request -----------------------------------------------
+
+
+def test_first_token_eos_is_answered_by_the_context_worker_without_a_generation_leg(trt: Stack) -> None:
+    trt.prefill.script({"first_token_eos": True})
+    response = post(trt, COMPLETIONS, completion_body(max_tokens=20))
+    assert response.status_code == 200, response.text
+    choice = only(response.json()["choices"])
+    assert choice["finish_reason"] == "stop" and "disaggregated_params" not in choice
+    assert response.json()["usage"]["completion_tokens"] == 1
+    assert trt.decode.requests() == [], "the generation leg must not run"
+
+
+def test_first_token_eos_for_a_streaming_client_is_a_complete_event_stream(trt: Stack) -> None:
+    trt.prefill.script({"first_token_eos": True})
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    with trt.client() as client, client.stream("POST", CHAT, content=json.dumps(body),
+                                               headers=trt.pd_headers()) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/event-stream"
+        raw = response.read().decode()
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    first, usage = (json.loads(event) for event in events[:-1])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["finish_reason"] == "stop"
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
+    assert trt.decode.requests() == []
+
+
+# --- failures ----------------------------------------------------------------------------------------
+
+
+def test_context_worker_down_is_502_and_generation_never_runs(trt: Stack) -> None:
+    assert_error(post(trt, CHAT, chat_body(), **{"x-prefiller-host-port": "127.0.0.2:9"}), 502,
+                 "prefill_upstream_unavailable")
+    assert trt.decode.requests() == []
+
+
+def test_context_worker_error_status_is_kept_and_generation_never_runs(trt: Stack) -> None:
+    trt.prefill.script({"status": 400})
+    assert_error(post(trt, CHAT, chat_body()), 400, "prefill_upstream_error")
+    assert trt.decode.requests() == []
+
+
+@pytest.mark.parametrize("behaviour,param", [
+    ({"params_remove": ["ctx_request_id"]}, "disaggregated_params.ctx_request_id is missing"),
+    ({"params_set": {"ctx_request_id": "77"}}, "disaggregated_params.ctx_request_id is invalid"),
+    ({"params_set": {"first_gen_tokens": []}}, "disaggregated_params.first_gen_tokens is invalid"),
+    ({"params_set": {"encoded_opaque_state": "%%%"}}, "disaggregated_params.encoded_opaque_state is invalid"),
+    ({"params_set": {"request_type": "generation_only"}}, "disaggregated_params.request_type is invalid"),
+    ({"params_null": True}, "disaggregated_params is missing"),
+    ({"omit_prompt_token_ids": True}, "prompt_token_ids is missing"),
+])
+def test_bad_context_metadata_is_refused_and_generation_never_runs(
+        trt: Stack, behaviour: dict[str, Any], param: str) -> None:
+    trt.prefill.script(behaviour)
+    error = assert_error(post(trt, COMPLETIONS, completion_body()), 502, "invalid_prefill_handoff")
+    assert error["param"] == param
+    assert trt.decode.requests() == []
+
+
+@pytest.mark.parametrize("forged", [{"ctx_request_id": 12345}, {"encoded_opaque_state": "AAAA"},
+                                    {"first_gen_tokens": [7]}])
+def test_well_formed_params_the_context_did_not_issue_are_refused_by_the_generation_worker(
+        trt: Stack, forged: dict[str, Any]) -> None:
+    """They pass our checks; the generation worker cannot pull a KV that was never issued and fails
+    like trtllm-serve (400 BadRequestError, relayed as decode's own answer)."""
+    trt.prefill.script({"params_set": forged})
+    response = post(trt, COMPLETIONS, completion_body(max_tokens=4))
+    assert response.status_code == 400
+    assert response.json()["type"] == "BadRequestError" and response.json()["object"] == "error"
+    generation = only(trt.decode.requests())
+    assert generation["notes"]["kv"] != "ok"
+    assert generation["json"]["disaggregated_params"] | forged == generation["json"]["disaggregated_params"]
+
+
+def test_client_supplied_disaggregated_params_are_refused_before_any_leg(trt: Stack) -> None:
+    body = chat_body(disaggregated_params={"request_type": "generation_only", "ctx_request_id": 1})
+    assert assert_error(post(trt, CHAT, body), 400, "invalid_request_field")["param"] == "disaggregated_params"
+    assert_no_leg_ran(trt)
+
+
+def test_client_gone_while_the_context_phase_runs_cancels_it_and_never_generates(trt: Stack) -> None:
+    trt.prefill.script({"hang": True})
+
+    async def abandon() -> None:
+        async with httpx.AsyncClient(base_url=trt.url, timeout=60) as client:
+            request = asyncio.ensure_future(client.post(CHAT, content=json.dumps(chat_body()),
+                                                        headers=trt.pd_headers()))
+            assert await asyncio.to_thread(lambda: trt.prefill.wait("pending"))
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(abandon())
+    assert trt.prefill.wait("disconnected"), "the context request must be cancelled"
+    assert trt.decode.requests() == [], "the generation leg must not run"

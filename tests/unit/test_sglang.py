@@ -1,0 +1,162 @@
+"""The sglang adapter as pure functions: both legs' bodies, the room, discovery, the background check."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc.adapters import REGISTRY, adapter_flow, build_adapter
+from extproc.adapters.base import Flow, PrefillReply
+from extproc.adapters.sglang import (
+    PROTOCOL_0_5_23,
+    ROOM_LIMIT,
+    SglangAdapter,
+    SglangDiscoveringAdapter,
+    room_from_nonce,
+)
+from extproc.config import ConfigError, Settings, load_settings
+from extproc.errors import Code, PdError
+from extproc.openai_request import parse_client_request
+from extproc.prefill_target import parse_prefill_target
+
+TARGET = parse_prefill_target(["10.0.0.7:30000"])
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9}
+
+
+def request(path: str, body: dict[str, Any] | bytes) -> Any:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_client_request(path, "application/json", raw, 1 << 20)
+
+
+def plan(body: dict[str, Any] | bytes, path: str = "/v1/chat/completions", nonce: int = 41,
+         adapter: SglangAdapter | None = None, server_info: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    made = (adapter or SglangAdapter()).plan(request(path, body), TARGET, nonce, server_info)
+    assert made.decode_body is not None
+    return json.loads(made.prefill_body), json.loads(made.decode_body)
+
+
+def test_both_legs_get_the_same_bootstrap_fields_as_json_string_and_integers() -> None:
+    prefill, decode = plan({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    fields = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 42}
+    assert decode == {**CHAT, "stream": True, "stream_options": {"include_usage": True}, **fields}
+    assert prefill == {**CHAT, "stream": False, **fields}  # one JSON answer; max_tokens untouched
+    assert type(decode["bootstrap_room"]) is int and type(decode["bootstrap_port"]) is int
+
+
+def test_decode_body_is_the_client_bytes_plus_three_members() -> None:
+    raw = b'{"prompt": "p",  "seed": 123456789012345678901234567890, "bootstrap_room": null}'
+    made = SglangAdapter(bootstrap_port=9000).plan(request("/v1/completions", raw), TARGET, 6, None)
+    assert made.decode_body == (b'{"prompt": "p","seed": 123456789012345678901234567890,'
+                                b'"bootstrap_host":"10.0.0.7","bootstrap_port":9000,"bootstrap_room":7}')
+
+
+def test_a_non_streaming_client_request_gets_stream_false_once_on_prefill() -> None:
+    prefill, decode = plan(CHAT, "/v1/chat/completions")
+    assert prefill["stream"] is False and "stream" not in decode
+
+
+def test_ipv6_prefill_host_is_sent_without_brackets() -> None:
+    made = SglangAdapter().plan(request("/v1/completions", {"prompt": "p"}), parse_prefill_target(["[fd00::7]:30000"]),
+                                1, None)
+    assert json.loads(made.prefill_body)["bootstrap_host"] == "fd00::7"
+
+
+@given(st.integers(min_value=0, max_value=ROOM_LIMIT - 1))
+def test_rooms_are_positive_int64(nonce: int) -> None:
+    assert 1 <= room_from_nonce(nonce) < ROOM_LIMIT
+
+
+def test_a_room_of_zero_is_never_sent() -> None:
+    assert room_from_nonce(0) == 1
+    assert room_from_nonce(ROOM_LIMIT - 1) == 1
+
+
+@pytest.mark.parametrize("field,value", [("bootstrap_host", "evil.example"), ("bootstrap_port", 1),
+                                         ("bootstrap_room", 5), ("bootstrap_room", [5])])
+def test_client_supplied_bootstrap_fields_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(PdError) as caught:
+        plan({**CHAT, field: value})
+    assert caught.value.code is Code.INVALID_REQUEST_FIELD and caught.value.param == field
+
+
+def test_discovery_uses_the_prefill_workers_advertised_port() -> None:
+    info = {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 31000, "version": "0.5.23"}
+    _, decode = plan(CHAT, adapter=SglangDiscoveringAdapter(), server_info=info)
+    assert decode["bootstrap_port"] == 31000
+    assert SglangDiscoveringAdapter.server_info_path == "/server_info" and SglangAdapter.server_info_path is None
+
+
+@pytest.mark.parametrize("info,param", [
+    ({"disaggregation_mode": "decode", "disaggregation_bootstrap_port": 8998},
+     "server_info.disaggregation_mode is invalid"),
+    ({"disaggregation_mode": "prefill"}, "server_info.disaggregation_bootstrap_port is missing"),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": "8998"},
+     "server_info.disaggregation_bootstrap_port is invalid"),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": True},
+     "server_info.disaggregation_bootstrap_port is invalid"),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 0},
+     "server_info.disaggregation_bootstrap_port is invalid"),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 65536},
+     "server_info.disaggregation_bootstrap_port is invalid"),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 8998.0},
+     "server_info.disaggregation_bootstrap_port is invalid"),
+])
+def test_bad_server_info_stops_before_either_leg(info: dict[str, Any], param: str) -> None:
+    with pytest.raises(PdError) as caught:
+        plan(CHAT, adapter=SglangDiscoveringAdapter(), server_info=info)
+    assert caught.value.code is Code.INVALID_PREFILL_HANDOFF and caught.value.param == param
+
+
+def reply(status: int, body: Any, content_type: str = "application/json") -> PrefillReply:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return PrefillReply(status, content_type, raw)
+
+
+def test_background_check_accepts_sglangs_completion() -> None:
+    SglangAdapter().check_background(reply(200, {"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]}))
+
+
+@pytest.mark.parametrize("answer,code,param", [
+    (reply(500, {"object": "error", "message": "Prefill bootstrap failed", "type": "500", "code": 500}),
+     Code.PREFILL_UPSTREAM_ERROR, None),
+    (reply(200, {"id": "x", "choices": [{"index": 0, "finish_reason": "abort"}]}), Code.INVALID_PREFILL_HANDOFF,
+     "choices.finish_reason is abort"),
+    (reply(200, {"object": "error", "message": "m"}), Code.INVALID_PREFILL_HANDOFF, "choices is missing"),
+    (reply(200, b"data: {}\n\n", "text/event-stream"), Code.PREFILL_RESPONSE_STREAMED, None),
+    (reply(200, b'{"choices": ['), Code.PREFILL_RESPONSE_TRUNCATED, None),
+])
+def test_background_check_reports_failures(answer: PrefillReply, code: Code, param: str | None) -> None:
+    with pytest.raises(PdError) as caught:
+        SglangAdapter().check_background(answer)
+    assert caught.value.code is code and caught.value.param == param
+    if code is Code.PREFILL_UPSTREAM_ERROR:
+        assert caught.value.status == 500
+
+
+def test_registry_builds_from_settings_and_the_flow_is_concurrent() -> None:
+    assert adapter_flow("sglang") is Flow.CONCURRENT
+    assert REGISTRY["sglang"][0][0] == PROTOCOL_0_5_23
+    configured = build_adapter("sglang", "", dataclasses.replace(Settings(), sglang_bootstrap_port=9100))
+    assert type(configured) is SglangAdapter and configured.protocol == PROTOCOL_0_5_23
+    assert json.loads(configured.plan(request("/v1/completions", {"prompt": "p"}), TARGET, 1, None).prefill_body)[
+        "bootstrap_port"] == 9100
+    discovering = build_adapter("sglang", "", dataclasses.replace(Settings(), sglang_bootstrap_port="discover"))
+    assert type(discovering) is SglangDiscoveringAdapter
+
+
+@pytest.mark.parametrize("text,value", [("discover", "discover"), ("9000", 9000), (" 1 ", 1), ("65535", 65535)])
+def test_bootstrap_port_setting(text: str, value: Any) -> None:
+    settings = load_settings({"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": text}, {})
+    assert settings.sglang_bootstrap_port == value
+    assert load_settings({}, {}).sglang_bootstrap_port == 8998
+
+
+@pytest.mark.parametrize("text", ["0", "65536", "-1", "auto", "", "8998.0"])
+def test_bad_bootstrap_port_setting_refuses_to_start(text: str) -> None:
+    with pytest.raises(ConfigError, match="PD_EXTPROC_SGLANG_BOOTSTRAP_PORT"):
+        load_settings({"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": text}, {})
