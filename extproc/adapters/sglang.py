@@ -15,9 +15,9 @@ Field names and JSON types are SGLang's (PROTOCOL.md, "sglang"): ``PDRoutingFiel
 
 Deliberate limits: ``n`` other than 1 and completion batches are refused before any leg
 (openai_request.py), so the three fields are always scalars; a client-supplied bootstrap field is
-refused (it would point decode at a host of the client's choosing); ``bootstrap_host`` is the prefill
-target's host as the gateway sent it (a DNS name is resolved again by the decode engine); neither
-leg is retried.
+refused (it would point decode at a host of the client's choosing); ``bootstrap_host`` is the address
+the processor resolved and checked against the prefill policy (never a name the decode engine would
+resolve again); neither leg is retried.
 """
 
 from __future__ import annotations
