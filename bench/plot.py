@@ -1,0 +1,68 @@
+"""Plot added latency vs concurrency per system from results.json's summary.
+
+Run with the bench virtualenv's Python (it has matplotlib): ``python bench/plot.py RESULTS_JSON PNG``.
+It imports nothing from the project, so the project's own environment needs no plotting libraries.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
+
+SYSTEMS = {  # name -> (label, colour, marker)
+    "envoy": ("Envoy alone", "tab:gray", "s"),
+    "passthrough": ("our Envoy, passthrough", "tab:blue", "o"),
+    "pd-extproc": ("pd-extproc P/D", "tab:red", "D"),
+    "vllm-router": ("vllm-router 0.1.17 P/D", "tab:green", "^"),
+    "direct-prefill": ("direct prefill (reference)", "tab:olive", "x"),
+}
+PANELS = (("non-stream", "added_p50_ms", "p50"), ("stream", "added_p50_ms", "p50"),
+          ("non-stream", "added_p99_ms", "p99"), ("stream", "added_p99_ms", "p99"))
+
+
+def _series(cells: list[dict[str, Any]], system: str, body: str, key: str) -> tuple[list[int], list[float]]:
+    chosen = sorted((c for c in cells if c["system"] == system and c["body"] == body and c[key] is not None),
+                    key=lambda c: c["concurrency"])
+    return [c["concurrency"] for c in chosen], [c[key] for c in chosen]
+
+
+def plot(results: dict[str, Any], output: Path) -> None:
+    cells = results["summary"]["latency"]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 9), sharex=True)
+    for axis, (body, key, label) in zip(axes.flat, PANELS, strict=True):
+        for system, (name, colour, marker) in SYSTEMS.items():
+            x, y = _series(cells, system, body, key)
+            if x:
+                axis.plot(x, y, label=name, color=colour, marker=marker)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("symlog", linthresh=1.0)
+        axis.set_title(f"{body}: added {label} latency over direct decode")
+        axis.set_ylabel("ms (symlog)")
+        axis.grid(True, which="both", alpha=0.3)
+        levels = results["options"]["concurrency"]
+        axis.set_xticks(levels, [str(level) for level in levels])
+    for axis in axes[1]:
+        axis.set_xlabel("concurrent clients")
+    axes[0][0].legend(loc="upper left", fontsize=9)
+    machine = results["machine"]
+    figure.suptitle(f"pd-extproc benchmark, {machine['nproc']} cores ({machine['cpu']}), {results['started']} UTC",
+                    fontsize=11)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+
+
+def main(argv: list[str]) -> int:
+    results = json.loads(Path(argv[1]).read_text())
+    plot(results, Path(argv[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

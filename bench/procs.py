@@ -1,0 +1,60 @@
+"""Reading a process's CPU time and memory from /proc, and picking free loopback ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_KIB = 1024
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (every thread), in seconds."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may hold spaces; the fields after its closing parenthesis do not.
+    fields = stat.rsplit(")", 1)[1].split()
+    user_ticks, system_ticks = int(fields[11]), int(fields[12])
+    return (user_ticks + system_ticks) / _CLOCK_TICKS
+
+
+def _status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident set size now."""
+    return _status_kib(pid, "VmRSS") * _KIB
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The highest resident set size since start or since reset_peak_rss (VmHWM)."""
+    return _status_kib(pid, "VmHWM") * _KIB
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Restart VmHWM from the current RSS (needs root or the same user); False if refused."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now. Only for programs that cannot bind port 0 themselves and
+    report it; the caller must retry if the program then fails to bind."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False

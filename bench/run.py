@@ -1,0 +1,324 @@
+"""The benchmark run: start the fleet, check every system, measure, write results.json.
+
+Order of phases (each one uses the same worker processes):
+  1. one request per system, inspected at both workers;
+  2. 1,000 requests in flight against a slow prefill and against a slow decode (RSS);
+  3. the load generator's own ceiling (plain Envoy answering by itself);
+  4. warm-up, then ROUNDS rounds; each round walks concurrency levels and modes and, at each, runs
+     every system once, in an order rotated by round;
+  5. a py-spy profile of our server under P/D load;
+  6. the 20 MiB body, at concurrency 1, a fixed number of requests per system and round;
+  7. one 20 MiB request sent in the middle of a run of small P/D requests (what it does to them).
+A point measured while other processes used more than NOISE_THRESHOLD of the machine is measured
+again (at most NOISE_RETRIES times, within a run-wide RETRY_BUDGET, each retry after waiting up to
+QUIET_WAIT seconds for the machine to calm down) and the quietest attempt is kept; each point
+records its attempts and the share of the machine other processes used while it ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, verify, wrk
+from bench.envoy_plain import CEILING_PATH
+from bench.systems import Fleet, System
+from bench.workers import LegCounters
+from bench.workload import CHAT_PATH, chat_body, write_bodies
+
+LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
+REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
+LARGE_BODY_SYSTEMS = LATENCY_SYSTEMS
+PD_SYSTEMS = ("pd-extproc", "vllm-router")
+BESIDE_CONCURRENCY = 16
+SETTLE_SECONDS = 0.2  # lets requests wrk abandoned at the end of a run finish before counters are read
+NOISE_THRESHOLD = 0.10
+NOISE_RETRIES = 2
+RETRY_BUDGET = 0.25  # at most this share of the planned latency points is measured again
+QUIET_WAIT = 20.0  # before a retry, wait up to this long for other processes to calm down ...
+QUIET_BUDGET = 180.0  # ... and no more than this in the whole run
+Load = Callable[[], wrk.WrkResult]
+
+
+@dataclass(frozen=True)
+class Options:
+    rounds: int = 3
+    seconds: int = 3
+    concurrency: tuple[int, ...] = (1, 16, 64, 256)
+    modes: tuple[str, ...] = ("non-stream", "stream")
+    warmup_seconds: int = 1
+    large_body_rounds: int = 2
+    large_body_requests: int = 3  # per system and round
+    inflight_requests: int = 1000
+    inflight_delay: float = 5.0
+    profile_seconds: int = 8
+    beside_seconds: int = 8
+    profile_concurrency: int = 16
+    py_spy: str = ""
+    quiet_max_wait: float = 300.0
+
+
+@dataclass
+class Run:
+    """Everything measured, JSON-ready (dataclasses.asdict)."""
+
+    options: dict[str, Any]
+    machine: dict[str, str]
+    started: str
+    inspections: list[dict[str, Any]] = field(default_factory=list)
+    inflight: list[dict[str, Any]] = field(default_factory=list)
+    ceiling: list[dict[str, Any]] = field(default_factory=list)
+    points: list[dict[str, Any]] = field(default_factory=list)
+    profile: dict[str, Any] = field(default_factory=dict)
+    envoy_outcomes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    quiet_wait: dict[str, float] = field(default_factory=dict)
+    idle_rss: dict[str, dict[str, int]] = field(default_factory=dict)
+    foreign_cpu_share: float = 0.0
+    finished: str = ""
+    incomplete: str = ""  # why the run stopped early, if it did
+
+
+class Bench:
+    def __init__(self, fleet: Fleet, options: Options, work_dir: Path, log: Callable[[str], None]) -> None:
+        self.fleet = fleet
+        self.options = options
+        self.work_dir = work_dir
+        self.log = log
+        self.bodies = write_bodies(work_dir)
+        self._scripts: dict[tuple[str, str], Path] = {}
+        self.quiet_budget_left = QUIET_BUDGET
+        # Retries of noisy points, for the whole run: a machine that stays busy must not triple its length.
+        self.retries_left = int(RETRY_BUDGET * options.rounds * len(options.concurrency)
+                                * (len(LATENCY_SYSTEMS) * len(options.modes) + len(REFERENCE_SYSTEMS)))
+
+    def script(self, system: System, body: str) -> Path:
+        key = (system.name, body)
+        if key not in self._scripts:
+            path = self.work_dir / f"wrk-{system.name}-{body}.lua"
+            path.write_text(wrk.lua_script(self.bodies[body], system.headers))
+            self._scripts[key] = path
+        return self._scripts[key]
+
+    def all_pids(self) -> list[int]:
+        pids = [self.fleet.prefill.pid, self.fleet.decode.pid]
+        for system in self.fleet.systems.values():
+            pids += [pid for pid in system.processes.values() if pid not in pids]
+        return pids
+
+    def measure(self, system: System, body: str, concurrency: int, load: Load) -> dict[str, Any]:
+        """One run of ``load`` against one system, with CPU, worker counters and machine load around it."""
+        for worker in (self.fleet.prefill, self.fleet.decode):
+            worker.reset()
+        legs_before = LegCounters.read(self.fleet.prefill, self.fleet.decode)
+        cpu_before = {role: procs.cpu_seconds(pid) for role, pid in system.processes.items()}
+        load_before = machine.LoadSnapshot.take(self.all_pids())
+        started, wall_start = time.monotonic(), time.time()
+        result = load()
+        wall_end = time.time()
+        time.sleep(SETTLE_SECONDS)
+        wall = time.monotonic() - started
+        load_after = machine.LoadSnapshot.take(self.all_pids())
+        cpu = {role: procs.cpu_seconds(pid) - cpu_before[role] for role, pid in system.processes.items()}
+        legs = LegCounters.read(self.fleet.prefill, self.fleet.decode).minus(legs_before)
+        handled = legs.prefill_leases_granted if system.pd else (
+            legs.prefill_recomputed if system.name == "direct-prefill" else legs.decode_recomputed)
+        return {
+            "system": system.name, "body": body, "concurrency": concurrency,
+            **dataclasses.asdict(result), "rps": result.rps,
+            "proxy_cpu_seconds": cpu, "requests_handled": int(handled), "legs": legs.as_dict(),
+            "problems": verify.check_point(system, legs, result.requests, result.errors, concurrency),
+            "foreign_cpu_share": load_after.foreign_share(load_before, wall),
+            "wall_start": wall_start, "wall_end": wall_end,
+        }
+
+    def measure_quietly(self, system: System, body: str, concurrency: int, load: Load) -> dict[str, Any]:
+        """``measure``, repeated while other processes were busy during it; the quietest attempt wins."""
+        attempts = [self.measure(system, body, concurrency, load)]
+        while (attempts[-1]["foreign_cpu_share"] > NOISE_THRESHOLD and len(attempts) <= NOISE_RETRIES
+               and self.retries_left > 0):
+            self.retries_left -= 1
+            self.wait_for_quiet()
+            attempts.append(self.measure(system, body, concurrency, load))
+        best = min(attempts, key=lambda point: point["foreign_cpu_share"])
+        best["attempts"] = len(attempts)
+        return best
+
+    def wait_for_quiet(self) -> None:
+        """Wait a little for other processes to calm down, within the run's QUIET_BUDGET seconds."""
+        if self.quiet_budget_left <= 0:
+            return
+        waited, _ = machine.wait_for_quiet(self.all_pids(), NOISE_THRESHOLD, min(QUIET_WAIT, self.quiet_budget_left))
+        self.quiet_budget_left -= waited
+
+    def wrk_load(self, system: System, body: str, concurrency: int, seconds: int) -> Load:
+        return lambda: wrk.run(system.url + CHAT_PATH, self.script(system, body), concurrency, seconds)
+
+    # --- phases ---------------------------------------------------------------------------------------
+
+    def inspect_systems(self, run: Run) -> None:
+        for system in self.fleet.systems.values():
+            inspection = verify.inspect_one_request(system, self.fleet.prefill, self.fleet.decode)
+            run.inspections.append(dataclasses.asdict(inspection))
+            self.log(f"inspect {system.name}: status {inspection.status}, problems {inspection.problems or 'none'}")
+
+    def inflight_memory(self, run: Run) -> None:
+        body = chat_body(stream=False)
+        cases = [("pd-extproc", self.fleet.prefill), ("pd-extproc", self.fleet.decode),
+                 ("vllm-router", self.fleet.prefill), ("vllm-router", self.fleet.decode),
+                 ("passthrough", self.fleet.decode), ("envoy", self.fleet.decode)]
+        for name, slow in cases:
+            result = inflight.measure(self.fleet.systems[name], slow, body, self.options.inflight_requests,
+                                      self.options.inflight_delay)
+            run.inflight.append(dataclasses.asdict(result))
+            self.log(f"in-flight {name} slow {slow.role}: {result.ok}/{result.sent} ok, "
+                     f"{result.in_flight_at_slow_worker} waiting at the slow worker, "
+                     + ", ".join(f"{role} {m.baseline_bytes >> 20}->{m.peak_bytes >> 20} MiB"
+                                 for role, m in result.memory.items()))
+
+    def loadgen_ceiling(self, run: Run) -> None:
+        envoy = self.fleet.systems["envoy"]
+        ceiling = dataclasses.replace(envoy, name="loadgen-ceiling")
+        for concurrency in (1, 64):
+            script = self.script(ceiling, "non-stream")
+            result = wrk.run(envoy.url + CEILING_PATH, script, concurrency, self.options.seconds)
+            run.ceiling.append({"concurrency": concurrency, **dataclasses.asdict(result), "rps": result.rps})
+            self.log(f"load generator ceiling c={concurrency}: {result.rps:.0f} req/s, "
+                     f"wrk CPU {result.loadgen_cpu_seconds:.2f}s")
+
+    def warm_up(self) -> None:
+        for system in self._systems(LATENCY_SYSTEMS + REFERENCE_SYSTEMS):
+            for concurrency in (16, max(self.options.concurrency)):
+                wrk.run(system.url + CHAT_PATH, self.script(system, "non-stream"), concurrency,
+                        self.options.warmup_seconds)
+
+    def latency_rounds(self, run: Run) -> None:
+        for round_index in range(self.options.rounds):
+            for concurrency in self.options.concurrency:
+                for body in self.options.modes:
+                    names = LATENCY_SYSTEMS + (REFERENCE_SYSTEMS if body == "non-stream" else ())
+                    for system in _rotated(self._systems(names), round_index):
+                        load = self.wrk_load(system, body, concurrency, self.options.seconds)
+                        point = self.measure_quietly(system, body, concurrency, load)
+                        point.update(phase="latency", round=round_index)
+                        run.points.append(point)
+                        self._log_point(point)
+
+    def large_body_rounds(self, run: Run) -> None:
+        body = self.bodies["20MiB"].read_bytes()
+        for round_index in range(self.options.large_body_rounds):
+            for system in _rotated(self._systems(LARGE_BODY_SYSTEMS), round_index):
+                load = functools.partial(sequential.run, system.url, CHAT_PATH, body, system.headers,
+                                         self.options.large_body_requests)
+                point = self.measure_quietly(system, "20MiB", 1, load)
+                point.update(phase="large-body", round=round_index)
+                run.points.append(point)
+                self._log_point(point)
+
+    def large_body_beside_small(self, run: Run) -> None:
+        """One 20 MiB request in the middle of a small-request run: what it does to everyone else."""
+        body = self.bodies["20MiB"].read_bytes()
+        seconds = self.options.beside_seconds
+        for system in self._systems(PD_SYSTEMS):
+            small = self.wrk_load(system, "non-stream", BESIDE_CONCURRENCY, seconds)
+            load, large = _with_one_large_request(small, system, body, delay=seconds / 4)
+            point = self.measure(system, "non-stream", BESIDE_CONCURRENCY, load)
+            point.update(phase="beside-large", round=0,
+                         large_request_ms=large[0].max_us / 1e3 if large else None,
+                         large_request_errors=large[0].errors if large else None)
+            run.points.append(point)
+            self._log_point(point)
+            self.log(f"  the 20 MiB request beside it took {point['large_request_ms']:.0f} ms")
+
+    def profile_server(self, run: Run) -> None:
+        system = self.fleet.systems["pd-extproc"]
+        if not self.options.py_spy:
+            return
+        raw = self.work_dir / "py-spy-pd-extproc.txt"
+        seconds = self.options.profile_seconds
+        recorder = profiling.record(self.options.py_spy, system.processes["pd-extproc"], seconds, raw)
+        concurrency = self.options.profile_concurrency
+        point = self.measure(system, "non-stream", concurrency, self.wrk_load(system, "non-stream", concurrency,
+                                                                              seconds + 1))
+        recorder.wait(timeout=seconds + 30)
+        point.update(phase="profile", round=0)
+        run.points.append(point)
+        run.profile = dataclasses.asdict(profiling.summarise(raw, seconds))
+        self.log(f"profile: {run.profile['samples']} samples of pd-extproc serve at c={point['concurrency']}")
+
+    def idle_rss(self, run: Run, label: str) -> None:
+        run.idle_rss[label] = {
+            f"{system.name}/{role}": procs.rss_bytes(pid)
+            for system in self.fleet.systems.values() for role, pid in system.processes.items()
+        }
+
+    def _systems(self, names: tuple[str, ...]) -> list[System]:
+        return [self.fleet.systems[name] for name in names]
+
+    def _log_point(self, point: dict[str, Any]) -> None:
+        self.log(f"r{point['round']} {point['body']:>10} c={point['concurrency']:<3} {point['system']:<14} "
+                 f"{point['rps']:8.0f} req/s  p50 {point['p50_us'] / 1e3:7.2f} ms  p99 {point['p99_us'] / 1e3:7.2f} ms"
+                 f"  other load {point['foreign_cpu_share']:.0%}"
+                 + (f"  PROBLEMS: {point['problems']}" if point["problems"] else ""))
+
+
+def attach_server_timings(run: Run, fleet: Fleet) -> None:
+    """Add our server's own medians (time it held the request, prefill call) to each pd-extproc point."""
+    requests = serverlog.read_requests(fleet.server_log)
+    for point in run.points:
+        if point["system"] == "pd-extproc":
+            point["server"] = serverlog.timings(requests, point["wall_start"], point["wall_end"])
+
+
+def _with_one_large_request(small: Load, system: System, body: bytes, delay: float
+                            ) -> tuple[Load, list[wrk.WrkResult]]:
+    """``small`` with one request of ``body`` sent ``delay`` seconds in; its result lands in the list."""
+    large: list[wrk.WrkResult] = []
+
+    def send_large() -> None:
+        time.sleep(delay)
+        large.append(sequential.run(system.url, CHAT_PATH, body, system.headers, 1))
+
+    def both() -> wrk.WrkResult:
+        sender = threading.Thread(target=send_large, daemon=True)
+        sender.start()
+        result = small()
+        sender.join()
+        return result
+
+    return both, large
+
+
+def _rotated(items: list[System], by: int) -> Iterator[System]:
+    shift = by % len(items)
+    yield from items[shift:] + items[:shift]
+
+
+def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Callable[[str], None]) -> None:
+    bench = Bench(fleet, options, work_dir, log)
+    own_before = machine.LoadSnapshot.take(bench.all_pids())
+    started = time.monotonic()
+    waited, share = machine.wait_for_quiet(bench.all_pids(), NOISE_THRESHOLD, options.quiet_max_wait)
+    run.quiet_wait = {"seconds": waited, "foreign_share": share}
+    log(f"waited {waited:.0f}s for a quiet machine (other processes at {share:.0%})")
+    try:
+        bench.inspect_systems(run)
+        bench.idle_rss(run, "after start")
+        bench.inflight_memory(run)
+        bench.loadgen_ceiling(run)
+        bench.warm_up()
+        bench.latency_rounds(run)
+        bench.profile_server(run)  # before any 20 MiB request: see large_body_beside_small
+        bench.large_body_rounds(run)
+        bench.large_body_beside_small(run)
+        bench.idle_rss(run, "at the end")
+    finally:  # also when a phase failed: keep the evidence gathered so far
+        run.envoy_outcomes = {name: envoylog.outcomes(envoy.child.log_path) for name, envoy in fleet.envoys.items()}
+        attach_server_timings(run, fleet)
+        run.foreign_cpu_share = machine.LoadSnapshot.take(bench.all_pids()).foreign_share(
+            own_before, time.monotonic() - started)

@@ -1,0 +1,62 @@
+"""The request bodies: a small chat request (streamed or not) and a chat request carrying a ~20 MiB image."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import orjson
+
+CHAT_PATH = "/v1/chat/completions"
+MAX_TOKENS = 16
+LARGE_BODY_BYTES = 20 << 20
+_PROMPT = (
+    "You are a helpful assistant. Summarise the following notes about disaggregated serving in three "
+    "sentences: prefill computes the prompt's KV cache on one worker, the cache moves over a fast link, "
+    "and decode streams tokens from another worker. "
+) * 3  # about 750 bytes of prompt: a short chat turn
+
+
+def chat_body(stream: bool) -> bytes:
+    body: dict[str, object] = {
+        "model": "emulated",
+        "messages": [{"role": "user", "content": _PROMPT}],
+        "max_tokens": MAX_TOKENS,
+    }
+    if stream:
+        body["stream"] = True
+    return orjson.dumps(body)
+
+
+def large_image_body(total_bytes: int = LARGE_BODY_BYTES) -> bytes:
+    """A chat request whose one user message has a text part and a base64 PNG data URL, ``total_bytes``
+    long in all (the image payload is filler bytes; no engine here decodes it)."""
+    envelope = orjson.dumps({
+        "model": "emulated",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this image?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}},
+        ]}],
+        "max_tokens": MAX_TOKENS,
+    })
+    marker = b"base64,"
+    cut = envelope.index(marker) + len(marker)
+    image_chars = (total_bytes - len(envelope)) // 4 * 4  # valid base64: whole 4-character groups
+    raw_image = (bytes(range(256)) * (image_chars // 4 * 3 // 256 + 1))[: image_chars // 4 * 3]
+    image = base64.b64encode(raw_image)
+    return envelope[:cut] + image + envelope[cut:]
+
+
+def write_bodies(directory: Path) -> dict[str, Path]:
+    """Every body the benchmark sends, as files wrk reads: name -> path."""
+    bodies = {
+        "non-stream": chat_body(stream=False),
+        "stream": chat_body(stream=True),
+        "20MiB": large_image_body(),
+    }
+    paths = {}
+    for name, body in bodies.items():
+        path = directory / f"body-{name}.json"
+        path.write_bytes(body)
+        paths[name] = path
+    return paths
