@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-HEALTH_NOTICE = 2.0  # seconds NOT_SERVING is visible before the listener closes (2 x Envoy's check interval)
+# Seconds NOT_SERVING is visible before the listener closes (Envoy ejects after 2 checks, 1 s apart).
+HEALTH_NOTICE = 2.5
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -189,7 +190,7 @@ class ExtProcServer:
         """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them.
 
         Health goes NOT_SERVING first and the gRPC listener stays up for HEALTH_NOTICE seconds, so
-        Envoy's health checker (1 s interval) sees it and stops sending; a P/D stream that still
+        Envoy's health checker (two checks, 1 s apart) sees it and stops sending; a P/D stream that still
         arrives gets a JSON 503 pd_shutting_down rather than a transport error."""
         self.admission.draining = True
         for service in ("", EXT_PROC_SERVICE):

@@ -462,3 +462,28 @@ def _server_logged(stack: Stack, needle: str) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_large_body_does_not_take_the_server_out_of_rotation(stack: Stack) -> None:
+    """Regression: scanning a 20 MiB body once stalled the event loop for seconds, Envoy's health check
+    ejected the only ext_proc server, and concurrent small P/D requests got 503s. Small requests sent
+    by 8 clients while a large one is processed must all succeed."""
+    body, _ = image_request(20 << 20)
+
+    async def run() -> tuple[httpx.Response, list[int]]:
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=limits) as client:
+            large = asyncio.ensure_future(client.post(CHAT, content=json.dumps(body), headers=stack.pd_headers()))
+            statuses: list[int] = []
+
+            async def small_requests() -> None:
+                while not large.done() or len(statuses) < 40:
+                    small = await client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers())
+                    statuses.append(small.status_code)
+
+            await asyncio.gather(*(small_requests() for _ in range(8)))
+            return await large, statuses
+
+    large, statuses = asyncio.run(run())
+    assert large.status_code == 200
+    assert statuses == [200] * len(statuses), f"{statuses.count(503)} of {len(statuses)} small requests refused"
