@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import uvloop
+
 from extproc import logs
 from extproc.config import ConfigError, Settings, add_arguments, load_settings
 from extproc.units import parse_address, parse_duration
@@ -45,7 +47,8 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         sys.stdout.write(f"ready grpc {address} metrics {metrics_port}\n")
         sys.stdout.flush()
 
-    asyncio.run(serve(settings, ready))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings, ready))
     return 0
 
 
@@ -61,11 +64,12 @@ def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-    asyncio.run(emulator.run(
-        args.engine, args.role, parse_address(args.listen, allow_port_zero=True),
-        parse_address(args.side_channel, allow_port_zero=True), args.model, args.worker_id,
-        args.block_size, parse_duration(args.lease), tls, parse_duration(args.kv_timeout),
-    ))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(emulator.run(
+            args.engine, args.role, parse_address(args.listen, allow_port_zero=True),
+            parse_address(args.side_channel, allow_port_zero=True), args.model, args.worker_id,
+            args.block_size, parse_duration(args.lease), tls, parse_duration(args.kv_timeout),
+        ))
     return 0
 
 
