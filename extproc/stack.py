@@ -49,8 +49,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class Child:
     """A child process whose stdout is scanned for a ``ready`` line, then copied to a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path,
+                 scan_stdout: bool = True) -> None:
+        """``scan_stdout=False``: stdout goes straight to the log file (Envoy's access log), with no
+        Python thread copying it line by line; wait_ready is then unavailable."""
         self.name = name
+        self.scan_stdout = scan_stdout
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = log_dir / f"{name}.log"
@@ -63,9 +67,11 @@ class Child:
     def start(self) -> None:
         self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            self.argv, env=self.env, stdout=subprocess.PIPE if self.scan_stdout else self._log, stderr=self._log,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
         )
+        if not self.scan_stdout:
+            return
         self._pump_thread = threading.Thread(target=self._pump, name=f"{self.name}-stdout", daemon=True)
         self._pump_thread.start()
 
@@ -165,7 +171,7 @@ class EnvoyProcess:
             find_envoy(envoy_bin), "-c", str(config_path), "--disable-hot-restart",
             "--log-level", "warning", "--admin-address-path", str(admin_file),
             "--concurrency", str(concurrency),
-        ], os.environ, log_dir)
+        ], os.environ, log_dir, scan_stdout=False)
         child.start()
         return cls(child, admin_file)
 
