@@ -48,6 +48,10 @@ DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-model"
 TINY_MODEL_NAME = "tiny"
 DEFAULT_STARTUP_TIMEOUT = 600.0
+# NIXL's UCX progress thread busy-polls a core per worker unless told to sleep between polls; see
+# vllm_site/sitecustomize.py (loaded only by the workers launched here) for why and how.
+WORKER_SITE_DIR = Path(__file__).resolve().parent / "vllm_site"
+NIXL_PROGRESS_DELAY_US = 1000
 
 # decode's NIXL metrics (vLLM 0.32 names, checked on the real server)
 TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
@@ -58,9 +62,9 @@ NOTIFICATIONS_AFTER_EXPIRY = "vllm:nixl_num_notifications_after_expiry_total"
 FINISHED_REQUESTS = "vllm:request_success_total"  # every finished request, labelled by finish reason
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
-# The producer's KV lease (vLLM default 30 s) is raised to 120 s: a shared CI VM can be frozen by its host
-# for up to ~30 s (observed), and a lease that expires inside such a freeze is a failure of the
-# machine, not of the handoff. Unpulled handoffs are still caught: each must show up as a transfer.
+# The producer's KV lease (vLLM default 30 s) is raised to 120 s: a shared CI VM can be paused by its host
+# for tens of seconds, and a lease that expires inside such a pause is a failure of the machine, not of
+# the handoff. Unpulled handoffs are still caught: each must show up as a transfer (the ledger check).
 KV_LEASE_SECONDS = 120
 PRODUCER_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
                    "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}}
@@ -195,6 +199,8 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "PYTHONFAULTHANDLER": "1",  # a crash in a kernel shows up in the log with a stack
+        "PYTHONPATH": os.pathsep.join(p for p in (str(WORKER_SITE_DIR), os.environ.get("PYTHONPATH", "")) if p),
+        "PD_REALVLLM_NIXL_PROGRESS_DELAY_US": str(NIXL_PROGRESS_DELAY_US),
     }
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",

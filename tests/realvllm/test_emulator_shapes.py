@@ -26,9 +26,8 @@ from tests.realvllm.wire import (
     CHAT,
     COMPLETIONS,
     PATHS,
-    Shape,
     SseStream,
-    collapsed_shapes,
+    StreamOutline,
     prefill_leg_body,
     request_body,
     shape,
@@ -82,16 +81,20 @@ def assert_same_shape(real: Any, emulated: Any, what: str) -> None:
 
 
 def assert_same_stream(real: Reply, emulated: Reply, what: str) -> None:
-    """Same status, media type, SSE framing, and the same sequence of chunk shapes."""
+    """Same status, media type and SSE framing; the same kinds of chunk in the same order, each kind with
+    the same shape. Content chunks are compared only when the real stream has them (see
+    ``StreamOutline.without_content``)."""
     assert (emulated.status, emulated.media_type) == (real.status, real.media_type), what
     real_stream, emulated_stream = SseStream.parse(real.body), SseStream.parse(emulated.body)
     assert real_stream.ends_with_done and emulated_stream.ends_with_done, what
-    real_shapes: list[Shape] = collapsed_shapes(real_stream.chunks())
-    emulated_shapes: list[Shape] = collapsed_shapes(emulated_stream.chunks())
-    details = [shape_diff(r, e, "real vLLM", "emulator") for r, e in zip(real_shapes, emulated_shapes, strict=False)]
-    assert emulated_shapes == real_shapes, (
-        f"{what}: chunk shapes differ ({len(real_shapes)} distinct runs real, {len(emulated_shapes)} emulated)\n"
-        + "\n".join(f"chunk run {i}: {d}" for i, d in enumerate(details)))
+    real_outline, emulated_outline = StreamOutline.of(real_stream.chunks()), StreamOutline.of(emulated_stream.chunks())
+    if "content" not in real_outline.kinds:
+        emulated_outline = emulated_outline.without_content()
+    assert emulated_outline.kinds == real_outline.kinds, f"{what}: chunk order differs"
+    for kind, real_shapes in real_outline.shapes.items():
+        emulated_shapes = emulated_outline.shapes[kind]
+        assert emulated_shapes == real_shapes, f"{what}: {kind} chunks differ\n" + "\n".join(
+            shape_diff(r, e, "real vLLM", "emulator") for r in real_shapes for e in emulated_shapes)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=PATH_IDS)

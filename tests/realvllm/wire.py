@@ -127,14 +127,42 @@ class SseStream:
         return usages[-1] if usages else None
 
 
-def collapsed_shapes(chunks: Iterable[Any]) -> list[Shape]:
-    """The shapes of a stream's chunks, consecutive repeats collapsed."""
-    result: list[Shape] = []
-    for chunk in chunks:
-        current = shape(chunk)
-        if not result or result[-1] != current:
-            result.append(current)
-    return result
+def chunk_kind(chunk: dict[str, Any]) -> str:
+    """What a stream chunk is for: ``role`` (chat's opening delta), ``content``, ``final`` (carries the
+    finish_reason) or ``usage`` (no choices)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return "usage"
+    if choices[0].get("finish_reason") is not None:
+        return "final"
+    if "role" in (choices[0].get("delta") or {}):
+        return "role"
+    return "content"
+
+
+@dataclass(frozen=True)
+class StreamOutline:
+    """A stream as the order of its chunk kinds (consecutive repeats collapsed) and each kind's shapes."""
+
+    kinds: tuple[str, ...]
+    shapes: dict[str, frozenset[Shape]]
+
+    @classmethod
+    def of(cls, chunks: Iterable[dict[str, Any]]) -> StreamOutline:
+        kinds: list[str] = []
+        shapes: dict[str, set[Shape]] = {}
+        for chunk in chunks:
+            kind = chunk_kind(chunk)
+            if not kinds or kinds[-1] != kind:
+                kinds.append(kind)
+            shapes.setdefault(kind, set()).add(shape(chunk))
+        return cls(tuple(kinds), {kind: frozenset(found) for kind, found in shapes.items()})
+
+    def without_content(self) -> StreamOutline:
+        """vLLM coalesces the deltas of a stream whose reader falls behind, down to the final chunk alone:
+        ``content`` chunks may legitimately be absent from one run and present in the next."""
+        kinds = tuple(kind for kind in self.kinds if kind != "content")
+        return StreamOutline(kinds, {k: v for k, v in self.shapes.items() if k != "content"})
 
 
 def output_text(path: str, response: dict[str, Any]) -> str:
