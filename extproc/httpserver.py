@@ -183,6 +183,10 @@ class HttpServer:
         if isinstance(reply, RawResponse):
             await self._until_disconnect(reply.write(writer), reader, request)
             return False
+        if writer.is_closing():  # the client left while the handler ran
+            if self._on_disconnect is not None:
+                self._on_disconnect(request)
+            return False
         if isinstance(reply, Response):
             headers = [("content-type", reply.content_type), ("content-length", str(len(reply.body))),
                        *reply.headers]
@@ -213,6 +217,10 @@ class HttpServer:
                 except StopAsyncIteration:
                     break
                 try:
+                    # uvloop raises RuntimeError on a write to a closed transport (asyncio's own loop
+                    # drops the bytes), so a closed transport is checked first, as a disconnect.
+                    if writer.is_closing():
+                        raise ConnectionResetError("the client closed the connection")
                     writer.write(conn.send(h11.Data(data=chunk)) or b"")
                     await writer.drain()
                 except ConnectionError:  # the client left while we were writing
@@ -224,6 +232,8 @@ class HttpServer:
                 watch.cancel()
                 with contextlib.suppress(BaseException):
                     await watch
+        if writer.is_closing():
+            return False
         writer.write(conn.send(h11.EndOfMessage()) or b"")
         await writer.drain()
         return True

@@ -503,6 +503,8 @@ async def _drip(writer: asyncio.StreamWriter, interval: float) -> None:
     with contextlib.suppress(ConnectionError):
         while True:
             await asyncio.sleep(interval)
+            if writer.is_closing():  # uvloop raises on a closed transport; the server's watch reports it
+                await asyncio.Event().wait()
             writer.write(b" ")
             await writer.drain()
 

@@ -35,7 +35,7 @@ from extproc import stack
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Environment knobs (documented in docs/pending-readme-realvllm.md).
+# Environment knobs (documented in README.md, "The real-engine stage").
 ENV_PREFILL = "PD_REALVLLM_PREFILL"
 ENV_DECODE = "PD_REALVLLM_DECODE"
 ENV_MODEL = "PD_REALVLLM_MODEL"
