@@ -2,12 +2,12 @@
 on their PYTHONPATH; nothing else loads it). It sets one NIXL knob that vLLM 0.32 does not expose.
 
 NIXL's agent runs a UCX progress thread whose poll delay (``nixlAgentConfig.pthrDelay``, in
-microseconds) the Python API hard-codes to 0: the thread busy-polls a whole core for as long as the
-worker lives. A GPU host has cores to spare; a 2-core CI VM running two workers then has both cores
-at 100% for the entire stage, and a VM host that throttles such a guest freezes it for tens of seconds
-(seen here as kernel "workqueue lockup" reports), which expires KV leases and trips timeouts.
+microseconds) the Python API (nixl 1.5.1, ``nixl_agent.__init__``) hard-codes to 0: the thread
+busy-polls a whole core for as long as the worker lives. Measured on the 2-core test machine: two idle
+workers used 2.0 cores; with a 1000 us delay, 0.04. At 2.0 cores everything else starved (in CI the
+test process went unscheduled for up to 120 s and a concurrent-request check timed out).
 ``PD_REALVLLM_NIXL_PROGRESS_DELAY_US`` (set by the stage) makes the thread sleep that long between
-polls instead. The thread stays on: the connector needs it (turning it off hangs transfers).
+polls instead; the thread itself stays on.
 """
 
 from __future__ import annotations
