@@ -32,6 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import stack
+from tests.realvllm.vllm_site.sitecustomize import APPLIED_MARKER, PROGRESS_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -200,7 +201,7 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "PYTHONFAULTHANDLER": "1",  # a crash in a kernel shows up in the log with a stack
         "PYTHONPATH": os.pathsep.join(p for p in (str(WORKER_SITE_DIR), os.environ.get("PYTHONPATH", "")) if p),
-        "PD_REALVLLM_NIXL_PROGRESS_DELAY_US": str(NIXL_PROGRESS_DELAY_US),
+        PROGRESS_DELAY_ENV: str(NIXL_PROGRESS_DELAY_US),
     }
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
@@ -216,6 +217,16 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
     child = stack.Child(name, argv, env, log_dir)
     child.start()
     return Engine(name, f"127.0.0.1:{http_port}", child)
+
+
+def check_progress_delay_applied(engines: list[Engine]) -> None:
+    """Each launched worker's log must show that its NIXL agent got the poll delay: without it both
+    cores busy-poll and the stage starves (see vllm_site/sitecustomize.py)."""
+    for engine in engines:
+        if engine.child is not None and APPLIED_MARKER not in engine.child.log_path.read_text(errors="replace"):
+            raise EngineStartError(
+                f"vLLM {engine.name}: the NIXL poll-delay hook did not run (no '{APPLIED_MARKER}' in "
+                f"{engine.child.log_path}); has nixl renamed nixl_cu12._api or nixlBind.nixlAgent?")
 
 
 def wait_healthy(engines: list[Engine], timeout: float) -> None:

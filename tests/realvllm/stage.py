@@ -186,6 +186,7 @@ def running_stage() -> Iterator[RealPd]:
             workers.extend([Engine("prefill", external[0]), Engine("decode", external[1])])
         prefill, decode = workers
         engine.wait_healthy(workers, engine.startup_timeout())
+        engine.check_progress_delay_applied(workers)
         timings.workers_healthy = time.monotonic()
         model = os.environ.get(engine.ENV_MODEL) or (_served_model(decode) if external else engine.TINY_MODEL_NAME)
         front_env = {"PD_EXTPROC_DECODE": decode.address}

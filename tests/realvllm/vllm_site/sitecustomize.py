@@ -20,8 +20,9 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-DELAY_ENV = "PD_REALVLLM_NIXL_PROGRESS_DELAY_US"
+PROGRESS_DELAY_ENV = "PD_REALVLLM_NIXL_PROGRESS_DELAY_US"
 NIXL_API_MODULES = {"nixl_cu12._api", "nixl_cu13._api"}
+APPLIED_MARKER = "pd-realvllm: NIXL progress-thread poll delay"  # the stage looks for it in the logs
 
 
 def _with_progress_delay(module: ModuleType, delay_us: int) -> None:
@@ -30,6 +31,7 @@ def _with_progress_delay(module: ModuleType, delay_us: int) -> None:
 
     def agent(name: str, config: Any) -> Any:
         config.pthrDelay = delay_us
+        print(f"{APPLIED_MARKER} {delay_us} us for agent {name}", file=sys.stderr, flush=True)
         return create_agent(name, config)
 
     bindings.nixlAgent = agent
@@ -60,5 +62,5 @@ class _NixlProgressDelay(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get(DELAY_ENV):
-    sys.meta_path.insert(0, _NixlProgressDelay(int(os.environ[DELAY_ENV])))
+if os.environ.get(PROGRESS_DELAY_ENV):
+    sys.meta_path.insert(0, _NixlProgressDelay(int(os.environ[PROGRESS_DELAY_ENV])))
