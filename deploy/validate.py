@@ -9,7 +9,7 @@ What is checked, and against what (sources and versions: deploy/schemas/SOURCES.
   (deploy/schemas/compose-spec.json), then ``docker compose config`` of that same release.
 - Core Kubernetes objects: kubernetes-validate's schemas, strict (unknown fields are errors), for
   every Kubernetes version in K8S_VERSIONS.
-- Gateway API objects: @kubernetes-models/gateway-api's schemas (node, deploy/schemas/gateway-api).
+- Gateway API objects: @kubernetes-models/gateway-api's schemas (Node.js from PyPI, deploy/schemas/gateway-api).
 - InferencePool: NO upstream schema could be obtained offline. ``inference_pool_problems`` checks
   only the fields these manifests use, as GIE's v1 API defines them (research/envoy-ext-proc.md §10);
   it is a contract check, not a CRD schema validation.
@@ -172,7 +172,7 @@ def gateway_api_problems(bodies: Sequence[Mapping[str, Any]]) -> list[list[str]]
     if not bodies:
         return []
     script = tools.gateway_api_validator()
-    result = subprocess.run(["node", str(script)], input=json.dumps(list(bodies)), capture_output=True,
+    result = subprocess.run([str(tools.node_bin()), str(script)], input=json.dumps(list(bodies)), capture_output=True,
                             text=True, timeout=TIMEOUT, check=False, cwd=script.parent)
     if result.returncode not in (0, 1):
         raise RuntimeError(f"gateway-api validator failed: {result.stderr.strip()}")

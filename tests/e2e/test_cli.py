@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -71,14 +72,13 @@ def test_up_demo_serves_pd_and_stops_everything_in_order_on_sigint(
     assert len(children) == 4, "Envoy, the server and two emulated workers"
     with httpx.Client(timeout=30) as client:
         client.post(f"http://{prefill}/_emulator/script", json={"behaviours": [{"delay": 2}]}).raise_for_status()
-        inflight = subprocess.Popen(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", f"{url}{CHAT}",
-                                     "-H", "content-type: application/json", "-H", f"x-prefiller-host-port: {prefill}",
-                                     "-d", '{"messages":[{"role":"user","content":"Hello"}],"max_tokens":4}'],
-                                    stdout=subprocess.PIPE, text=True)
-        waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 20})
-        assert waited.status_code == 200
-        process.send_signal(signal.SIGINT)
-        assert inflight.communicate(timeout=60)[0] == "200", "the in-flight request must finish"
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            inflight = pool.submit(client.post, f"{url}{CHAT}", headers={"x-prefiller-host-port": prefill},
+                                   json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+            waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 20})
+            assert waited.status_code == 200
+            process.send_signal(signal.SIGINT)
+            assert inflight.result(timeout=60).status_code == 200, "the in-flight request must finish"
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0
     stops = [line.split()[1] for line in output.splitlines() if line.startswith("stopped ")]
