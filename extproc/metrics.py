@@ -10,6 +10,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# Outcomes that are not errors: the request was served (by decode, or whole by a TensorRT-LLM context
+# phase), or the client left. Every other outcome is an error code from extproc/errors.py.
+SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill"})
+NOT_ERROR_OUTCOMES = SERVED_OUTCOMES | {"cancelled"}
+
 if TYPE_CHECKING:
     from extproc.tracing import RequestTrace
 
@@ -41,7 +46,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "pd_extproc_requests", "P/D requests by adapter and outcome (ok, an error code, or cancelled).",
+            "pd_extproc_requests",
+            "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",
             ["adapter", "outcome"], registry=self.registry)
         self.prefill_seconds = Histogram(
             "pd_extproc_prefill_seconds",

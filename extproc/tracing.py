@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from extproc.metrics import SERVED_OUTCOMES
+
 log = logging.getLogger("extproc.tracing")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _KINDS = {SpanKind.INTERNAL: 1, SpanKind.SERVER: 2, SpanKind.CLIENT: 3, SpanKind.PRODUCER: 4,
@@ -113,7 +115,7 @@ class RequestTrace:
         self.request.set_attribute("pd.adapter", adapter)
         self.request.set_attribute("pd.outcome", outcome)
         self.request.set_attribute("http.response.status_code", status)
-        if outcome not in ("ok", "answered_by_prefill"):
+        if outcome not in SERVED_OUTCOMES:
             self.request.set_status(StatusCode.ERROR)
         self.request.end()
 

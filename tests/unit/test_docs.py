@@ -6,7 +6,7 @@ import json
 import re
 
 from extproc.config import SPECS
-from extproc.metrics import Metrics
+from extproc.metrics import NOT_ERROR_OUTCOMES, Metrics
 from tests.harness import REPO
 
 README = (REPO / "README.md").read_text()
@@ -28,3 +28,12 @@ def test_every_metric_is_documented_and_every_dashboard_query_uses_real_metrics(
         for target in panel["targets"]:
             used = set(re.findall(r"pd_extproc_[a-z_]+", target["expr"]))
             assert used and all(re.sub(r"_(bucket|total|count|sum)$", "", m) in names for m in used), target
+
+
+def test_error_ratio_queries_exclude_exactly_the_outcomes_that_are_not_errors() -> None:
+    """A served request (`answered_by_prefill` included) or a cancelled one must not count as an error."""
+    dashboard = (REPO / "deploy" / "grafana" / "pd-extproc.json").read_text()
+    excluded = re.findall(r'outcome!~\\?"([a-z_|]+)\\?"', README + dashboard)
+    assert len(excluded) >= 2, "the README's error-ratio query and the dashboard's error panel"
+    for pattern in excluded:
+        assert set(pattern.split("|")) == NOT_ERROR_OUTCOMES, pattern
