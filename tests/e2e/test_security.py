@@ -113,7 +113,7 @@ def test_allowed_targets_work_by_address_and_by_name(target_stack: Stack) -> Non
 def test_unresolvable_name_is_unavailable_without_a_connection(target_stack: Stack) -> None:
     target_stack.reset()
     response = post(target_stack, CHAT, chat_body(), **{"x-prefiller-host-port": "no-such-host.invalid:8000"})
-    assert response.status_code in (403, 502)
+    assert_error(response, 502, Code.PREFILL_UPSTREAM_UNAVAILABLE.value)  # a name that does not resolve
     assert target_stack.prefill.requests() == [] and target_stack.decode.requests() == []
 
 
