@@ -57,11 +57,12 @@ def demo() -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
     process.communicate(timeout=60)
 
 
-def test_up_demo_serves_pd_and_stops_everything_in_order_on_sigint(
-        demo: tuple[subprocess.Popen[str], list[str]]) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_up_demo_serves_pd_and_stops_everything_in_order_on_a_signal(
+        demo: tuple[subprocess.Popen[str], list[str]], stop_signal: signal.Signals) -> None:
     """`up --demo`: one `ready` line with the address and a working curl; a P/D request succeeds with a
-    real (emulated) KV transfer; Ctrl-C lets the in-flight request finish, then stops Envoy before our
-    server and the workers, and leaves no process behind."""
+    real (emulated) KV transfer; Ctrl-C (or SIGTERM, as from a supervisor) lets the in-flight request
+    finish, then stops Envoy before our server and the workers, and leaves no process behind."""
     process, lines = demo
     assert lines[0].startswith("ready http://127.0.0.1:"), lines
     url = lines[0].split()[1]
@@ -77,7 +78,7 @@ def test_up_demo_serves_pd_and_stops_everything_in_order_on_sigint(
                                    json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
             waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 20})
             assert waited.status_code == 200
-            process.send_signal(signal.SIGINT)
+            process.send_signal(stop_signal)
             assert inflight.result(timeout=60).status_code == 200, "the in-flight request must finish"
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0
