@@ -7,6 +7,9 @@ import pytest
 
 from tests.harness import Stack, running_stack
 
+# Lines a test wants in the run's output whether it passes or fails (printed at the end of the run).
+SUMMARY: list[str] = []
+
 
 @pytest.fixture(scope="session")
 def pd() -> Iterator[Stack]:
@@ -33,3 +36,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
                 report.sections.append((f"logs of {name}", fixture.logs()))
                 break
     return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SUMMARY:
+        terminalreporter.write_sep("-", "measured by the tests")
+        for line in SUMMARY:
+            terminalreporter.write_line(line)

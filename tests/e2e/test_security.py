@@ -17,7 +17,8 @@ import httpx
 import pytest
 import trustme
 
-from extproc.errors import Code
+from extproc.errors import SPEC, Code
+from tests.conftest import SUMMARY
 from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, post
 from tests.harness import Stack, Worker, WorkerSpec, running_stack
 
@@ -292,6 +293,8 @@ def test_fuzz_through_envoy_gives_only_documented_outcomes(stack: Stack) -> None
             else:
                 error = response.json()["error"]
                 assert error["code"] != "internal_error"
+                if error["code"] in OUR_CODES and error["code"] != Code.PREFILL_UPSTREAM_ERROR:
+                    assert response.status_code == SPEC[Code(error["code"])].status, response.text
                 key = f"{response.status_code} {error['code'] if error['code'] in OUR_CODES else 'engine'}"
                 if error["code"] not in OUR_CODES:
                     assert response.headers.get("x-emulator-worker") or error["type"].endswith("Error"), response.text
@@ -301,5 +304,5 @@ def test_fuzz_through_envoy_gives_only_documented_outcomes(stack: Stack) -> None
     stack.reset()
     assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
     summary = ", ".join(f"{key}: {count}" for key, count in sorted(counts.items()))
-    print(f"\nfuzz outcomes over 2000 requests: {summary}")
+    SUMMARY.append(f"fuzz outcomes over 2000 requests through Envoy: {summary}")
     assert sum(counts.values()) == 2000 and counts.get("200", 0) > 100
