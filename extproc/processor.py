@@ -73,6 +73,10 @@ class Admission:
         self.inflight += 1
         self.idle.clear()
 
+    @property
+    def full(self) -> bool:
+        return self.inflight >= self.limit
+
     def leave(self) -> None:
         self.inflight -= 1
         if self.inflight == 0:
@@ -126,7 +130,7 @@ class PdProcessor:
             record.trace.end_prefill(record.prefill_status)
 
     async def on_headers(self, head: msg.RequestHead) -> Pending | pb.ProcessingResponse:
-        """Everything that needs only the head: the kill switch, draining, the target and its policy.
+        """Everything that needs only the head: the kill switch, draining, the cap, the target and its policy.
         Returns the state for the body phase, or the reply that ends the request now."""
         record = self._record(head)
         try:
@@ -134,6 +138,8 @@ class PdProcessor:
                 raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
             if self._admission.draining:
                 raise PdError(Code.PD_SHUTTING_DOWN)
+            if self._admission.full:  # shed before Envoy buffers the body (on_body checks again)
+                raise PdError(Code.PD_OVERLOADED)
             target = await self._prefill.resolve(parse_prefill_target(head.values(HEADER)))
         except PdError as error:
             return self._refuse(record, error)

@@ -129,6 +129,38 @@ def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
     assert len(capped_stack.prefill.requests()) == 2, "shed requests never reach prefill"
 
 
+def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_stack: Stack) -> None:
+    """Over the cap, a request is refused from its head alone: a client that sent only headers gets
+    503 pd_overloaded, not the 408 it would get waiting for its body, and Envoy buffers nothing."""
+    capped_stack.reset()
+    capped_stack.prefill.script({"delay": 3}, {"delay": 3})
+
+    async def run() -> tuple[list[httpx.Response], bytes]:
+        async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
+            held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
+                                                      headers=capped_stack.pd_headers())) for _ in range(2)]
+            assert await asyncio.to_thread(capped_stack.prefill.wait, "pending", 2)
+            host, port = capped_stack.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            prefill = capped_stack.pd_headers()["x-prefiller-host-port"]
+            writer.write((f"POST {CHAT} HTTP/1.1\r\nhost: pd\r\ncontent-type: application/json\r\n"
+                          f"content-length: 1000\r\nx-prefiller-host-port: {prefill}\r\n\r\n").encode())
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            reply = head + await reader.readexactly(length)
+            writer.close()
+            return list(await asyncio.gather(*held)), reply
+
+    held, reply = asyncio.run(run())
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503 "), head
+    assert json.loads(body)["error"]["code"] == "pd_overloaded"
+    assert [r.status_code for r in held] == [200, 200]
+    assert len(capped_stack.prefill.requests()) == 2
+
+
 @pytest.fixture
 def draining_stack() -> Iterator[Stack]:
     with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "10s"}, grpc_unix=True) as stack:
