@@ -1,0 +1,124 @@
+"""What our Envoy bootstrap costs a passthrough request, filter by filter (a side experiment).
+
+The main run compares our bootstrap with "Envoy alone" (router filter only, no access log). This
+starts one emulated decode worker and five Envoys, each our rendered bootstrap with parts removed,
+and measures non-streaming passthrough requests through each, interleaved over rounds:
+
+    ours                 the rendered bootstrap as shipped
+    no-access-log        without the JSON access log
+    no-body-limit        without the body_size_limit filter
+    router-only          without body_size_limit and ext_proc (the route's per-filter config removed)
+    router-only-no-log   router only and no access log: the closest to "Envoy alone"
+
+    .venv/bin/python -m bench.filters [--rounds 4] [--seconds 3] [--concurrency 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import wrk
+from bench.systems import default_tools
+from bench.workers import Worker
+from bench.workload import write_bodies
+from extproc import stack
+from extproc.config import load_settings
+from extproc.envoy_config import render_yaml
+
+Config = dict[str, Any]
+
+
+def _hcm(config: Config) -> Config:
+    manager: Config = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager
+
+
+def _without_access_log(config: Config) -> None:
+    del _hcm(config)["access_log"]
+
+
+def _without_body_limit(config: Config) -> None:
+    _hcm(config)["http_filters"] = [f for f in _hcm(config)["http_filters"]
+                                    if f["name"] != "envoy.filters.http.body_size_limit"]
+
+
+def _router_only(config: Config) -> None:
+    _hcm(config)["http_filters"] = [f for f in _hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    for route in _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]:
+        route.pop("typed_per_filter_config", None)
+
+
+VARIANTS: dict[str, list[Callable[[Config], None]]] = {
+    "ours": [],
+    "no-access-log": [_without_access_log],
+    "no-body-limit": [_without_body_limit],
+    "router-only": [_router_only],
+    "router-only-no-log": [_router_only, _without_access_log],
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.filters", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    args = parser.parse_args(argv)
+    tools = default_tools()
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-bench-filters-"))
+    decode = Worker("decode", log_dir)
+    envoys: list[stack.EnvoyProcess] = []
+    try:
+        decode.start()
+        decode.wait_ready()
+        settings = load_settings({"PD_EXTPROC_DECODE": decode.address, "PD_EXTPROC_LISTEN": "127.0.0.1:0",
+                                  "PD_EXTPROC_ENVOY_ADMIN": "127.0.0.1:0"}, {})
+        base = yaml.safe_load(render_yaml(settings))
+        urls: dict[str, str] = {}
+        for name, edits in VARIANTS.items():
+            config = copy.deepcopy(base)
+            for edit in edits:
+                edit(config)
+            workdir = log_dir / name
+            workdir.mkdir()
+            (workdir / "envoy.yaml").write_text(yaml.safe_dump(config))
+            envoy = stack.EnvoyProcess.launch(tools.envoy, workdir / "envoy.yaml", workdir)
+            envoys.append(envoy)
+            urls[name] = f"http://{envoy.wait_ready(30)}/v1/chat/completions"
+        script = log_dir / "non-stream.lua"
+        script.write_text(wrk.lua_script(write_bodies(log_dir)["non-stream"], {}))
+        results: dict[tuple[str, int], list[wrk.WrkResult]] = {}
+        names = list(VARIANTS)
+        for round_number in range(args.rounds):
+            rotated = names[round_number % len(names):] + names[:round_number % len(names)]
+            for concurrency in args.concurrency:
+                for name in rotated:
+                    results.setdefault((name, concurrency), []).append(
+                        wrk.run(urls[name], script, concurrency, args.seconds))
+        print("| variant | " + " | ".join(f"c={c} req/s | c={c} p50 µs" for c in args.concurrency) + " |")
+        print("|---|" + "---|---|" * len(args.concurrency))
+        for name in names:
+            cells = []
+            for concurrency in args.concurrency:
+                runs = results[(name, concurrency)]
+                cells.append(f"{statistics.median(r.rps for r in runs):.0f}")
+                cells.append(f"{statistics.median(r.p50_us for r in runs):.0f}")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        print(f"\n(medians over {args.rounds} interleaved rounds of {args.seconds} s; logs in {log_dir})")
+    finally:
+        for envoy in envoys:
+            envoy.child.stop()
+        decode.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
