@@ -68,7 +68,7 @@ class Admission:
     def enter(self) -> None:
         if self.draining:
             raise PdError(Code.PD_SHUTTING_DOWN)
-        if self.inflight >= self.limit:
+        if self.full:
             raise PdError(Code.PD_OVERLOADED)
         self.inflight += 1
         self.idle.clear()
