@@ -106,17 +106,22 @@ def capped_stack() -> Iterator[Stack]:
         yield stack
 
 
+async def hold_both_slots(stack: Stack, client: httpx.AsyncClient) -> list[asyncio.Future[httpx.Response]]:
+    """Two P/D requests parked at a slow prefill (3 s each): both admission slots taken until they end."""
+    stack.reset()
+    stack.prefill.script({"delay": 3}, {"delay": 3})
+    held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers()))
+            for _ in range(2)]
+    assert await asyncio.to_thread(stack.prefill.wait, "pending", 2)
+    return held
+
+
 def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
     """With 2 requests holding both slots, every further P/D request gets an immediate 503
     pd_overloaded with Retry-After; the counter matches; the two held requests then succeed."""
-    capped_stack.reset()
-    capped_stack.prefill.script({"delay": 3}, {"delay": 3})
-
     async def run() -> tuple[list[httpx.Response], list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
-            held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
-                                                      headers=capped_stack.pd_headers())) for _ in range(2)]
-            assert await asyncio.to_thread(capped_stack.prefill.wait, "pending", 2)
+            held = await hold_both_slots(capped_stack, client)
             shed = [await client.post(CHAT, json=chat_body(), headers=capped_stack.pd_headers()) for _ in range(3)]
             return list(await asyncio.gather(*held)), shed
 
@@ -132,14 +137,9 @@ def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
 def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_stack: Stack) -> None:
     """Over the cap, a request is refused from its head alone: a client that sent only headers gets
     503 pd_overloaded, not the 408 it would get waiting for its body, and Envoy buffers nothing."""
-    capped_stack.reset()
-    capped_stack.prefill.script({"delay": 3}, {"delay": 3})
-
     async def run() -> tuple[list[httpx.Response], bytes]:
         async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
-            held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
-                                                      headers=capped_stack.pd_headers())) for _ in range(2)]
-            assert await asyncio.to_thread(capped_stack.prefill.wait, "pending", 2)
+            held = await hold_both_slots(capped_stack, client)
             host, port = capped_stack.url.removeprefix("http://").rsplit(":", 1)
             reader, writer = await asyncio.open_connection(host, int(port))
             prefill = capped_stack.pd_headers()["x-prefiller-host-port"]
