@@ -28,9 +28,9 @@ import yaml
 
 from bench import wrk
 from bench.systems import default_tools
-from bench.workers import Worker
+from bench.workers import emulated_vllm
 from bench.workload import write_bodies
-from extproc import stack
+from extproc import process
 from extproc.config import load_settings
 from extproc.envoy_config import render_yaml
 
@@ -74,11 +74,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     tools = default_tools()
     log_dir = Path(tempfile.mkdtemp(prefix="pd-bench-filters-"))
-    decode = Worker("decode", log_dir)
-    envoys: list[stack.EnvoyProcess] = []
+    decode = emulated_vllm("decode", log_dir)
+    envoys: list[process.EnvoyProcess] = []
     try:
         decode.start()
-        decode.wait_ready()
+        decode.wait_ready(30)
         settings = load_settings({"PD_EXTPROC_DECODE": decode.address, "PD_EXTPROC_LISTEN": "127.0.0.1:0",
                                   "PD_EXTPROC_ENVOY_ADMIN": "127.0.0.1:0"}, {})
         base = yaml.safe_load(render_yaml(settings))
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
             workdir = log_dir / name
             workdir.mkdir()
             (workdir / "envoy.yaml").write_text(yaml.safe_dump(config))
-            envoy = stack.EnvoyProcess.launch(tools.envoy, workdir / "envoy.yaml", workdir)
+            envoy = process.EnvoyProcess.launch(tools.envoy, workdir / "envoy.yaml", workdir)
             envoys.append(envoy)
             urls[name] = f"http://{envoy.wait_ready(30)}/v1/chat/completions"
         script = log_dir / "non-stream.lua"

@@ -86,7 +86,7 @@ def _count_waiting(worker: Worker) -> int:
 def measure(system: System, slow: Worker, body: bytes, count: int = 1000, delay: float = 5.0) -> InflightResult:
     """Hold ``count`` requests in flight for ``delay`` seconds at ``slow``; report each process's memory."""
     slow.reset()
-    slow.script([{"delay": delay}] * count)
+    slow.script(*[{"delay": delay}] * count)
     baselines = {role: procs.rss_bytes(pid) for role, pid in system.processes.items()}
     peak_was_reset = {role: procs.reset_peak_rss(pid) for role, pid in system.processes.items()}
     sampler = _RssSampler(system.processes)

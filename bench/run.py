@@ -29,7 +29,7 @@ from typing import Any
 from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, verify, wrk
 from bench.envoy_plain import CEILING_PATH
 from bench.systems import Fleet, System
-from bench.workers import LegCounters
+from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, chat_body, write_bodies
 
 LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
@@ -106,7 +106,7 @@ class Bench:
         return self._scripts[key]
 
     def all_pids(self) -> list[int]:
-        pids = [self.fleet.prefill.pid, self.fleet.decode.pid]
+        pids = [pid(self.fleet.prefill), pid(self.fleet.decode)]
         for system in self.fleet.systems.values():
             pids += [pid for pid in system.processes.values() if pid not in pids]
         return pids

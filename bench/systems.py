@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import envoy_plain, procs
-from bench.workers import Worker
-from extproc import stack
+from bench.workers import emulated_vllm
+from extproc import process
 from extproc.config import Settings, load_settings
-from extproc.envoy_config import render_yaml
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.stack import RunningStack, start_stack
 from extproc.units import parse_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,10 +62,11 @@ class Fleet:
     def __init__(self, tools: Tools, log_dir: Path) -> None:
         self.tools = tools
         self.log_dir = log_dir
-        self.prefill = Worker("prefill", log_dir)
-        self.decode = Worker("decode", log_dir)
-        self.children: list[stack.Child] = []
-        self.envoys: dict[str, stack.EnvoyProcess] = {}
+        self.prefill = emulated_vllm("prefill", log_dir)
+        self.decode = emulated_vllm("decode", log_dir)
+        self.children: list[process.Child] = []
+        self.envoys: dict[str, process.EnvoyProcess] = {}
+        self.pd: RunningStack | None = None
         self.systems: dict[str, System] = {}
         self.settings: Settings | None = None
         self.server_log = log_dir / "pd-extproc-serve.log"  # set to the real path when the server starts
@@ -74,7 +75,7 @@ class Fleet:
         for worker in (self.prefill, self.decode):
             worker.start()
         for worker in (self.prefill, self.decode):
-            worker.wait_ready()
+            worker.wait_ready(30)
         self.systems["direct"] = System("direct", self.decode.url)
         self.systems["direct-prefill"] = System("direct-prefill", self.prefill.url)
         self._start_plain_envoy()
@@ -82,6 +83,8 @@ class Fleet:
         self._start_vllm_router()
 
     def stop(self) -> None:
+        if self.pd is not None:
+            self.pd.stop()
         for envoy in self.envoys.values():
             envoy.child.stop()
         for child in reversed(self.children):
@@ -98,7 +101,7 @@ class Fleet:
         workdir = self._subdir(name)
         config_path = workdir / "envoy.yaml"
         config_path.write_text(config)
-        envoy = stack.EnvoyProcess.launch(self.tools.envoy, config_path, workdir)
+        envoy = process.EnvoyProcess.launch(self.tools.envoy, config_path, workdir)
         self.envoys[name] = envoy
         return "http://" + envoy.wait_ready(30)
 
@@ -126,32 +129,26 @@ class Fleet:
         settings = dataclasses.replace(
             settings,
             decode=parse_address(self.decode.address),
-            grpc_listen=parse_address(f"unix:{workdir}/extproc.sock", allow_unix=True),
             listen=parse_address("127.0.0.1:0", allow_port_zero=True),
             envoy_admin=parse_address("127.0.0.1:0", allow_port_zero=True),
         )
-        self.settings = settings
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("PD_EXTPROC_")}
-        server = stack.python_child("pd-extproc-serve", ["serve"], {**base_env, **stack.settings_env(settings)},
-                                    workdir)
-        self.children.append(server)
-        self.server_log = server.log_path
-        server.start()
-        server.wait_ready(30)
-        assert server.process is not None
-        url = self._launch_envoy("pd", render_yaml(settings))
-        envoy_pid = self._envoy_pid("pd")
-        self.systems["passthrough"] = System("passthrough", url, processes={"envoy": envoy_pid})
+        self.pd = start_stack(settings, workdir, grpc_unix=True)
+        self.settings = self.pd.settings
+        assert self.pd.server is not None and self.pd.server.process is not None and self.pd.envoy is not None
+        assert self.pd.envoy.child.process is not None
+        self.server_log = self.pd.server.log_path
+        envoy_pid = self.pd.envoy.child.process.pid
+        self.systems["passthrough"] = System("passthrough", self.pd.url, processes={"envoy": envoy_pid})
         self.systems["pd-extproc"] = System(
-            "pd-extproc", url, headers={PREFILL_TARGET_HEADER: self.prefill.address}, pd=True,
-            processes={"pd-extproc": server.process.pid, "envoy": envoy_pid},
+            "pd-extproc", self.pd.url, headers={PREFILL_TARGET_HEADER: self.prefill.address}, pd=True,
+            processes={"pd-extproc": self.pd.server.process.pid, "envoy": envoy_pid},
         )
 
     def _start_vllm_router(self, attempts: int = 3) -> None:
         """vllm-router cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""
         for attempt in range(attempts):
             port, metrics_port = procs.free_port(), procs.free_port()
-            child = stack.Child(f"vllm-router-{attempt}", [
+            child = process.Child(f"vllm-router-{attempt}", [
                 self.tools.vllm_router, "--host", "127.0.0.1", "--port", str(port),
                 "--vllm-pd-disaggregation", "--prefill", self.prefill.url, "--decode", self.decode.url,
                 "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
@@ -167,10 +164,10 @@ class Fleet:
                     "vllm-router", url, pd=True, processes={"vllm-router": child.process.pid})
                 return
             child.stop()
-        raise stack.StackError(f"vllm-router did not start after {attempts} attempts; see {self.log_dir}")
+        raise process.StackError(f"vllm-router did not start after {attempts} attempts; see {self.log_dir}")
 
 
-def _wait_http_up(url: str, child: stack.Child, timeout: float) -> bool:
+def _wait_http_up(url: str, child: process.Child, timeout: float) -> bool:
     """True once ``url`` answers 200; False if the child exits or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and child.alive():

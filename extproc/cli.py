@@ -7,18 +7,23 @@ import asyncio
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import uvloop
 
-from extproc import logs
-from extproc.config import ConfigError, Settings, add_arguments, load_settings
-from extproc.units import parse_address, parse_duration
+from extproc import logs, ready
+from extproc.adapters import BY_ENGINE
+from extproc.config import SPECS, ConfigError, Settings, add_arguments, load_settings
+from extproc.emulator import ROLES
+from extproc.settings_spec import ENV_PREFIX
+from extproc.units import Address, parse_address
 
 log = logging.getLogger("extproc.cli")
 EXIT_CONFIG = 2
@@ -26,29 +31,29 @@ EXIT_RUNTIME = 1
 
 
 def _settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
-    from extproc.config import SPECS
-
     flags = {spec.name: getattr(args, spec.name, None) for spec in SPECS}
     return load_settings(environ, flags)
 
 
 def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> bool:
-    from extproc.config import ENV_PREFIX
-
     return getattr(args, name, None) is not None or (ENV_PREFIX + name.upper()) in environ
 
 
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
-    from extproc.server import serve
+    from extproc.server import ListenError, serve
 
-    def ready(address: str, metrics_port: int) -> None:
-        sys.stdout.write(f"ready grpc {address} metrics {metrics_port}\n")
+    def announce(address: str, metrics_port: int) -> None:
+        sys.stdout.write(ready.format_line(grpc=address, metrics=metrics_port) + "\n")
         sys.stdout.flush()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(settings, ready))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(settings, announce))
+    except ListenError as exc:
+        sys.stderr.write(f"pd-extproc serve: {exc}\n")
+        return EXIT_RUNTIME
     return 0
 
 
@@ -64,25 +69,26 @@ def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    args.side_channel = parse_address(args.side_channel, allow_port_zero=True)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(emulator.run(
-            args.engine, args.role, parse_address(args.listen, allow_port_zero=True),
-            parse_address(args.side_channel, allow_port_zero=True), args.model, args.worker_id,
-            args.block_size, parse_duration(args.lease), tls, parse_duration(args.kv_timeout),
-        ))
+        runner.run(emulator.run(args.engine, args, parse_address(args.listen, allow_port_zero=True),
+                                args.side_channel, tls))
     return 0
 
 
+DEMO_PREFILL = "emulated-prefill"
+DEMO_DECODE = "emulated-decode"
+# Ports `up` picks itself (any free one) unless the operator set them.
+_UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}
+
+
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import stack
-    from extproc.envoy_config import render_yaml
-    from extproc.units import Address
+    from extproc import process, stack
 
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
     workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
-    children: list[stack.Child] = []
-    envoy: stack.EnvoyProcess | None = None
+    running: stack.RunningStack | None = None
     stop_requested = False
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -92,77 +98,58 @@ def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        stack.find_envoy(settings.envoy_bin)
-        for name in ("listen", "envoy_admin"):
+        process.find_envoy(settings.envoy_bin)
+        picks: dict[str, Any] = {}
+        for name, pick in _UP_PICKS.items():
             address: Address = getattr(settings, name)
-            if _provided(args, environ, name) and stack.port_in_use(address):
-                raise stack.StackError(f"{address} ({name}) is already in use; choose another with "
-                                       f"--{name.replace('_', '-')}")
-        if not _provided(args, environ, "envoy_admin"):
-            settings = dataclasses.replace(settings, envoy_admin=Address("127.0.0.1", 0))
-        if not _provided(args, environ, "listen") and stack.port_in_use(settings.listen):
-            raise stack.StackError(f"{settings.listen} is already in use; choose another with --listen")
-        prefill_hint = "<prefill-host>:<port>"
-        base_env = {k: v for k, v in environ.items() if not k.startswith("PD_EXTPROC_")}
-        if settings.demo:
-            emulated = {}
-            for role in ("prefill", "decode"):
-                child = stack.python_child(f"emulated-{role}", [
-                    "emulate", "--engine", "vllm", "--role", role, "--listen", "127.0.0.1:0",
-                    "--worker-id", f"demo-{role}"], base_env, workdir)
-                children.append(child)
-                child.start()
-            for child in children:
-                emulated[child.name] = child.wait_ready(30).split()[1].removeprefix("http://")
-            settings = dataclasses.replace(settings, decode=parse_address(emulated["emulated-decode"]))
-            prefill_hint = emulated["emulated-prefill"]
+            if not _provided(args, environ, name):
+                picks[name] = parse_address(pick, allow_port_zero=True)
+            elif process.port_in_use(address):
+                raise process.StackError(f"{address} ({name}) is already in use; choose another with "
+                                         f"--{name.replace('_', '-')}")
         if not _provided(args, environ, "grpc_listen"):
-            settings = dataclasses.replace(settings, grpc_listen=parse_address(
-                f"unix:{workdir}/extproc.sock", allow_unix=True))
-        server = stack.python_child("pd-extproc-serve", ["serve"], {**base_env, **stack.settings_env(settings)},
-                                    workdir)
-        children.append(server)
-        server.start()
-        server.wait_ready(30)
-        config_path = workdir / "envoy.yaml"
-        config_path.write_text(render_yaml(settings))
-        envoy = stack.EnvoyProcess.launch(settings.envoy_bin, config_path, workdir)
-        listen = envoy.wait_ready(30)
-        _print_ready(listen, prefill_hint, settings, workdir)
+            picks["grpc_listen"] = parse_address(f"unix:{workdir}/extproc.sock", allow_unix=True)
+        settings = dataclasses.replace(settings, **picks)
+        workers, demo_env = _demo_workers(settings, workdir)
+        if demo_env:
+            settings = load_settings({**stack.settings_env(settings), **demo_env})
+        running = stack.start_stack(settings, workdir, workers=workers, env=environ, decode_worker=DEMO_DECODE)
+        _print_ready(running, workdir)
         while not stop_requested:
-            for child in [*children, envoy.child]:
+            for child in running.children():
                 if not child.alive():
-                    raise stack.StackError(f"{child.name} exited unexpectedly: {child.tail()}")
+                    raise process.StackError(f"{child.name} exited unexpectedly: {child.tail()}")
             time.sleep(0.2)
-        sys.stdout.write("stopping\n")
-        sys.stdout.flush()
+        _say("stopping")
         return 0
-    except stack.StackError as exc:
+    except process.StackError as exc:
         sys.stderr.write(f"pd-extproc up: {exc}\n")
         return EXIT_RUNTIME
     finally:
-        _shutdown(envoy, children, settings.drain_timeout)
+        if running is not None:
+            running.stop(grace=settings.drain_timeout, say=lambda name: _say(f"stopped {name}"))
 
 
-def _shutdown(envoy: object, children: Sequence[object], grace: float) -> None:
-    """Envoy first (stop accepting, let in-flight requests finish), then our server, then workers."""
-    from extproc import stack
+def _demo_workers(settings: Settings, workdir: Path) -> tuple[list[Any], dict[str, str]]:
+    """With --demo: the configured engine's emulated prefill and decode workers, and the settings the
+    engine's demo needs (e.g. a shared key both sides read)."""
+    from extproc.adapters import ENGINES
+    from extproc.emulator.worker import WorkerSpec
 
-    if isinstance(envoy, stack.EnvoyProcess) and envoy.child.alive() and envoy.admin:
-        try:
-            envoy.admin_post("/drain_listeners?graceful&inboundonly")
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and envoy.active_requests() > 0:
-                time.sleep(0.1)
-        except OSError:
-            pass
-    if isinstance(envoy, stack.EnvoyProcess):
-        envoy.child.stop()
-        _say(f"stopped {envoy.child.name}")
-    for child in reversed(children):
-        if isinstance(child, stack.Child):
-            child.stop(timeout=grace + 5)
-            _say(f"stopped {child.name}")
+    if not settings.demo:
+        return [], {}
+    engine = ENGINES.get(settings.adapter, ENGINES["vllm_nixl"])
+    env: dict[str, str] = dict(engine.demo.env)
+    args: tuple[str, ...] = ()
+    if engine.demo.key_setting:
+        key_file = workdir / "demo-shared.key"
+        key_file.write_text(secrets.token_hex(32) + "\n")
+        key_file.chmod(0o600)
+        env[engine.demo.key_setting] = str(key_file)
+        args = (engine.demo.key_flag, str(key_file))
+    workers = [WorkerSpec(DEMO_PREFILL, "prefill", engine.engine, args),
+               WorkerSpec(DEMO_DECODE, "decode", engine.engine, args)]
+    return workers, env
 
 
 def _say(line: str) -> None:
@@ -170,20 +157,31 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-def _print_ready(listen: str, prefill: str, settings: Settings, workdir: Path) -> None:
+def _print_ready(running: Any, workdir: Path) -> None:
+    settings: Settings = running.settings
+    prefill = running.workers.get(DEMO_PREFILL)
+    decode = running.workers.get(DEMO_DECODE)
+    fields: dict[str, object] = {"url": running.url, "decode": settings.decode, "metrics": running.metrics_url}
+    if prefill is not None:
+        fields["prefill"] = prefill.address
+    fields["logs"] = workdir
     body = '{"model":"emulated","messages":[{"role":"user","content":"Hello"}],"max_tokens":8}'
-    sys.stdout.write(
-        f"ready http://{listen} (decode {settings.decode}, logs in {workdir})\n"
-        f"P/D request:\n  curl -sS http://{listen}/v1/chat/completions -H 'content-type: application/json' "
-        f"-H 'x-prefiller-host-port: {prefill}' -d '{body}'\n"
-    )
-    if settings.demo:
-        sys.stdout.write(f"decode transfer counter:\n  curl -sS http://{settings.decode}/metrics | grep nixl_xfer\n")
-    sys.stdout.write("Ctrl-C stops everything.\n")
+    target = prefill.address if prefill is not None else "<prefill-host>:<port>"
+    lines = [
+        ready.format_line(**fields),
+        "P/D request:",
+        f"  curl -sS {running.url}/v1/chat/completions -H 'content-type: application/json' "
+        f"-H 'x-prefiller-host-port: {target}' -d '{body}'",
+    ]
+    if decode is not None:
+        lines += ["decode worker metrics (its KV transfer counter):", f"  curl -sS {decode.url}/metrics"]
+    lines.append("Ctrl-C stops everything.")
+    sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``emulator_engine``, ``emulate`` also has that engine's emulator options."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
@@ -196,27 +194,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up)
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
-    emulate.add_argument("--engine", choices=("vllm", "sglang", "trtllm"), default="vllm")
-    emulate.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
+    emulate.add_argument("--engine", choices=tuple(BY_ENGINE), default="vllm",
+                         help="the inference engine whose worker to emulate")
+    emulate.add_argument("--role", choices=ROLES, required=True)
     emulate.add_argument("--listen", default="127.0.0.1:0", help="HTTP host:port (port 0 = any free port)")
     emulate.add_argument("--side-channel", default="127.0.0.1:0",
                          help="KV side channel host:port: vLLM's NIXL side channel, SGLang's bootstrap server, "
                               "TensorRT-LLM's KV registry (prefill roles)")
     emulate.add_argument("--model", default="emulated")
     emulate.add_argument("--worker-id", default="")
-    emulate.add_argument("--block-size", type=int, default=16)
-    emulate.add_argument("--lease", default="30s", help="how long a producer holds unread KV blocks")
-    emulate.add_argument("--kv-timeout", default="300s",
-                         help="sglang: how long prefill waits for decode's claim and decode for prefill's room")
     emulate.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
     emulate.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
     emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     emulate.set_defaults(run=cmd_emulate)
+    if emulator_engine is not None:
+        from extproc.emulator import add_engine_arguments
+
+        add_engine_arguments(emulate, emulator_engine)
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line; ``emulate`` also takes the chosen engine's own emulator options."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine = None
+    if argv[:1] == ["emulate"]:
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--engine", default="vllm")
+        engine = first.parse_known_args(argv[1:])[0].engine
+    return build_parser(engine if engine in BY_ENGINE else None).parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return int(args.run(args, os.environ if environ is None else environ))
     except ConfigError as exc:

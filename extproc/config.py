@@ -8,19 +8,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
-import os
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from extproc.adapters import REGISTRY, protocol_problem
+from extproc.adapters import ENGINES, KILL_SWITCH, protocol_problem
 from extproc.prefill_policy import Rule, describe, parse_allow_list
-from extproc.units import Address, format_duration, parse_address, parse_duration, parse_size
+from extproc.settings_spec import (
+    ENV_PREFIX,
+    SettingSpec,
+    choice,
+    existing_file,
+    parse_bool,
+    positive_duration,
+    positive_int,
+    positive_size,
+    text_value,
+)
+from extproc.units import Address, format_duration, parse_address, parse_duration
 
-ENV_PREFIX = "PD_EXTPROC_"
-ADAPTERS = (*REGISTRY, "none")
+ADAPTERS = (*ENGINES, KILL_SWITCH)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Every engine's own settings, declared in its Engine (extproc/adapters/).
+ENGINE_SPECS: tuple[SettingSpec, ...] = tuple(spec for engine in ENGINES.values() for spec in engine.settings)
+
+
+def _engine_defaults() -> dict[str, Any]:
+    return {spec.name: spec.default for spec in ENGINE_SPECS}
 
 
 class ConfigError(ValueError):
@@ -58,7 +73,14 @@ class Settings:
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: str = "info"
     demo: bool = False
-    sglang_bootstrap_port: int | Literal["discover"] = 8998
+    # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
+    engine_options: Mapping[str, Any] = field(default_factory=_engine_defaults)
+
+    def value(self, name: str) -> Any:
+        """A core setting or an engine's own setting, by name."""
+        if name in self.engine_options:
+            return self.engine_options[name]
+        return getattr(self, name)
 
     @property
     def message_timeout(self) -> float:
@@ -73,69 +95,13 @@ class Settings:
         return max(64 << 20, 2 * self.max_request_bytes + (1 << 20))
 
     def describe(self) -> dict[str, str]:
-        """The effective settings for the startup log line (nothing here is secret yet)."""
-        out: dict[str, str] = {}
-        for spec in SPECS:
-            value = getattr(self, spec.name)
-            out[spec.name] = spec.show(value)
-        return out
+        """The effective settings for the startup log line. Secrets are never settings values: a key
+        setting holds the path of its file, which is read only when the adapter is built."""
+        return {spec.name: spec.show(self.value(spec.name)) for spec in SPECS}
 
 
 # Envoy must not time out before we answer our own deadline with a JSON error.
 ENVOY_MESSAGE_MARGIN = 5.0
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _choice(options: Sequence[str]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip()
-        if value not in options:
-            raise ValueError("expected one of " + ", ".join(options))
-        return value
-
-    return parse
-
-
-def _positive_int(text: str) -> int:
-    value = int(text.strip())
-    if value < 1:
-        raise ValueError("expected a positive integer")
-    return value
-
-
-def _positive_duration(text: str) -> float:
-    value = parse_duration(text)
-    if value <= 0:
-        raise ValueError("expected a duration above zero")
-    return value
-
-
-def _positive_size(text: str) -> int:
-    value = parse_size(text)
-    if value < 1:
-        raise ValueError("expected a size above zero")
-    return value
-
-
-def _text(text: str) -> str:
-    return text.strip()
-
-
-def _bootstrap_port(text: str) -> int | Literal["discover"]:
-    value = text.strip()
-    if value == "discover":
-        return "discover"
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:
-        raise ValueError("expected a port 1-65535 or discover")
-    return int(value)
 
 
 def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -153,81 +119,49 @@ def _http_url(text: str) -> str:
     return url
 
 
-def _file(text: str) -> str:
-    path = text.strip()
-    if path and not os.path.isfile(path):
-        raise ValueError(f"no such file: {path}")
-    return path
-
-
-def _show_plain(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return format_duration(value)
-    return str(value)
-
-
-@dataclass(frozen=True, slots=True)
-class SettingSpec:
-    name: str
-    parse: Callable[[str], Any]
-    help: str
-    show: Callable[[Any], str] = _show_plain
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
 SPECS: tuple[SettingSpec, ...] = (
-    SettingSpec("adapter", _choice(ADAPTERS), "P/D protocol adapter: " + ", ".join(ADAPTERS)
+    SettingSpec("adapter", choice(ADAPTERS), "P/D protocol adapter: " + ", ".join(ADAPTERS)
                 + " (none answers P/D requests with 501)"),
-    SettingSpec("protocol", _text, "protocol pin of the adapter; empty = the adapter's default pin"),
+    SettingSpec("protocol", text_value, "protocol pin of the adapter; empty = the adapter's default pin"),
     SettingSpec("grpc_listen", lambda t: parse_address(t, allow_unix=True, allow_port_zero=True),
                 "ext_proc gRPC listen address: host:port or unix:/path"),
     SettingSpec("listen", lambda t: parse_address(t, allow_port_zero=True), "Envoy listener host:port"),
     SettingSpec("decode", parse_address, "local decode worker host:port (the only decode destination)"),
     SettingSpec("envoy_admin", lambda t: parse_address(t, allow_port_zero=True), "Envoy admin host:port"),
-    SettingSpec("envoy_bin", _text, "Envoy binary to run (a path or a name on PATH)"),
-    SettingSpec("max_request_bytes", _positive_size, "largest client request body (Envoy 413 above it)"),
-    SettingSpec("max_prefill_response_bytes", _positive_size, "largest prefill response body read"),
-    SettingSpec("prefill_connect_timeout", _positive_duration, "connect timeout to a prefill worker"),
-    SettingSpec("prefill_read_timeout", _positive_duration, "longest silence while reading the prefill response"),
-    SettingSpec("prefill_deadline", _positive_duration, "total deadline for the whole prefill leg"),
+    SettingSpec("envoy_bin", text_value, "Envoy binary to run (a path or a name on PATH)"),
+    SettingSpec("max_request_bytes", positive_size, "largest client request body (Envoy 413 above it)"),
+    SettingSpec("max_prefill_response_bytes", positive_size, "largest prefill response body read"),
+    SettingSpec("prefill_connect_timeout", positive_duration, "connect timeout to a prefill worker"),
+    SettingSpec("prefill_read_timeout", positive_duration, "longest silence while reading the prefill response"),
+    SettingSpec("prefill_deadline", positive_duration, "total deadline for the whole prefill leg"),
     SettingSpec("envoy_message_timeout", parse_duration,
                 "Envoy ext_proc message_timeout; 0s = prefill_deadline + 5s"),
-    SettingSpec("client_body_timeout", _positive_duration, "time a client has to send the whole request"),
-    SettingSpec("decode_idle_timeout", _positive_duration, "longest silence on a decode stream"),
-    SettingSpec("drain_timeout", _positive_duration, "grace period for in-flight requests on shutdown"),
-    SettingSpec("max_inflight", _positive_int, "in-flight P/D requests before 503 pd_overloaded"),
+    SettingSpec("client_body_timeout", positive_duration, "time a client has to send the whole request"),
+    SettingSpec("decode_idle_timeout", positive_duration, "longest silence on a decode stream"),
+    SettingSpec("drain_timeout", positive_duration, "grace period for in-flight requests on shutdown"),
+    SettingSpec("max_inflight", positive_int, "in-flight P/D requests before 503 pd_overloaded"),
     SettingSpec("metrics_listen", lambda t: parse_address(t, allow_port_zero=True),
                 "HTTP host:port for /metrics, /healthz and /readyz"),
     SettingSpec("prefill_allow", parse_allow_list,
                 "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
                 "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)",
                 show=describe),
-    SettingSpec("prefill_tls", _parse_bool, "use TLS to prefill workers"),
-    SettingSpec("prefill_ca_file", _file, "CA bundle for prefill TLS; empty = the system CAs"),
-    SettingSpec("prefill_cert_file", _file, "client certificate for prefill mTLS"),
-    SettingSpec("prefill_key_file", _file, "client key for prefill mTLS"),
-    SettingSpec("prefill_server_name", _text, "TLS server name to verify; empty = the target's host"),
+    SettingSpec("prefill_tls", parse_bool, "use TLS to prefill workers"),
+    SettingSpec("prefill_ca_file", existing_file, "CA bundle for prefill TLS; empty = the system CAs"),
+    SettingSpec("prefill_cert_file", existing_file, "client certificate for prefill mTLS"),
+    SettingSpec("prefill_key_file", existing_file, "client key for prefill mTLS"),
+    SettingSpec("prefill_server_name", text_value, "TLS server name to verify; empty = the target's host"),
     SettingSpec("trusted_sources", _networks,
                 "CIDRs allowed to set x-prefiller-host-port (Envoy drops it from other peers); empty = all",
                 show=_show_networks),
-    SettingSpec("tracing", _choice(("off", "otlp")), "OpenTelemetry spans: off, or otlp (OTLP/HTTP JSON export)"),
+    SettingSpec("tracing", choice(("off", "otlp")), "OpenTelemetry spans: off, or otlp (OTLP/HTTP JSON export)"),
     SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
-    SettingSpec("log_level", _choice(LOG_LEVELS), "log level: debug, info, warning, error"),
-    SettingSpec("demo", _parse_bool, "demo mode (pd-extproc up): start emulated workers"),
-    SettingSpec("sglang_bootstrap_port", _bootstrap_port,
-                "sglang adapter: the prefill workers' bootstrap port (1-65535), or discover (read "
-                "disaggregation_bootstrap_port from each prefill worker's /server_info, cached)"),
+    SettingSpec("log_level", choice(LOG_LEVELS), "log level: debug, info, warning, error"),
+    SettingSpec("demo", parse_bool, "demo mode (pd-extproc up): start emulated workers"),
+    *ENGINE_SPECS,
 )
 _SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
+_ENGINE_SPEC_NAMES = frozenset(spec.name for spec in ENGINE_SPECS)
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
@@ -235,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None =
     for spec in SPECS:
         if names is not None and spec.name not in names:
             continue
-        default = getattr(Settings(), spec.name)
+        default = Settings().value(spec.name)
         boolean = isinstance(default, bool)
         parser.add_argument(
             spec.flag, dest=spec.name, default=None, metavar="true|false" if boolean else "VALUE",
@@ -266,7 +200,8 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     problems.extend(f"{name}: unknown setting" for name in unknown)
     if problems:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))
-    settings = dataclasses.replace(Settings(), **values)
+    options = {name: values.pop(name) for name in list(values) if name in _ENGINE_SPEC_NAMES}
+    settings = dataclasses.replace(Settings(), **values, engine_options={**_engine_defaults(), **options})
     problems = check_consistency(settings)
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
@@ -279,6 +214,9 @@ def check_consistency(settings: Settings) -> list[str]:
     protocol = protocol_problem(settings.adapter, settings.protocol)
     if protocol:
         problems.append(protocol)
+    elif settings.adapter in ENGINES:
+        engine = ENGINES[settings.adapter]
+        problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
     if settings.prefill_connect_timeout > settings.prefill_deadline:
         problems.append("prefill_connect_timeout must not exceed prefill_deadline")
     if settings.envoy_message_timeout and settings.envoy_message_timeout <= settings.prefill_deadline + 1.0:

@@ -55,11 +55,17 @@ def continue_headers() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
 
-def replace_body(body: bytes) -> pb.ProcessingResponse:
-    """Send ``body`` to decode. Content-Length must match the new body or Envoy rejects it."""
+def replace_body(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
+                 remove_headers: Sequence[str] = ()) -> pb.ProcessingResponse:
+    """Send ``body`` to decode with these request headers set or removed. Content-Length must match
+    the new body or Envoy rejects it."""
     response = pb.ProcessingResponse()
     common = response.request_body.response
-    common.header_mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    mutation = common.header_mutation
+    mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    for key, value in set_headers:
+        mutation.set_headers.append(_header(key, value))
+    mutation.remove_headers.extend(remove_headers)
     common.body_mutation.body = body
     return response
 

@@ -1,15 +1,17 @@
 """The error taxonomy: one closed table, code -> HTTP status -> fixed message.
 
 Every error a client can see from this service is a row here. Messages are fixed phrases; the
-only interpolation is ``{param}``, and ``param`` is always a field name from a fixed list in our
-own code, never caller input. PROTOCOL.md's taxonomy table is checked against ``SPEC`` by a test.
+only interpolation is ``{param}``. An error carries structure, not prose: a code, the field it is
+about (a name from a fixed list in our own code, never caller input) and, for a field whose value is
+wrong, the problem. The OpenAI ``param``, the message and the metric label are all rendered from
+that structure. PROTOCOL.md's taxonomy table is checked against ``SPEC`` by a test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 import orjson
 
@@ -21,7 +23,7 @@ class Code(StrEnum):
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
     UNSUPPORTED_PD_VARIANT = "unsupported_pd_variant"
-    KV_TRANSFER_PARAMS_NOT_ALLOWED = "kv_transfer_params_not_allowed"
+    RESERVED_REQUEST_FIELD = "reserved_request_field"
     REQUEST_TOO_LARGE = "request_too_large"
     INVALID_PREFILL_TARGET = "invalid_prefill_target"
     PREFILL_TARGET_FORBIDDEN = "prefill_target_forbidden"
@@ -69,8 +71,8 @@ SPEC: Mapping[Code, ErrorSpec] = {
     Code.UNSUPPORTED_PD_VARIANT: ErrorSpec(
         400, _REQ, "The field {param} selects a request variant that disaggregated serving does not support."
     ),
-    Code.KV_TRANSFER_PARAMS_NOT_ALLOWED: ErrorSpec(
-        400, _REQ, "kv_transfer_params is set by the prefill worker and must not be supplied by the client."
+    Code.RESERVED_REQUEST_FIELD: ErrorSpec(
+        400, _REQ, "The field {param} is set by disaggregated serving and must not be supplied by the client."
     ),
     Code.REQUEST_TOO_LARGE: ErrorSpec(413, _REQ, "The request body exceeds the configured size limit."),
     Code.INVALID_PREFILL_TARGET: ErrorSpec(
@@ -110,18 +112,58 @@ SPEC: Mapping[Code, ErrorSpec] = {
 }
 
 
+class Problem(Enum):
+    """What is wrong with a field: the phrase in ``param`` and the word in metric labels."""
+
+    MISSING = ("is missing", "missing")
+    INVALID = ("is invalid", "invalid")
+    NOT_AN_OBJECT = ("is not an object", "not_an_object")
+    DUPLICATE_FIELD = ("has a duplicate field", "has_a_duplicate_field")
+    ABORTED = ("is abort", "abort")
+
+    def __init__(self, phrase: str, label: str) -> None:
+        self.phrase = phrase
+        self.label = label
+
+
+# Unusable prefill replies: counted as handoff failures (with an invalid handoff) in the metrics.
+HANDOFF_CODES = frozenset({
+    Code.INVALID_PREFILL_HANDOFF, Code.PREFILL_RESPONSE_NOT_JSON, Code.PREFILL_RESPONSE_TRUNCATED,
+    Code.PREFILL_RESPONSE_STREAMED, Code.PREFILL_RESPONSE_TOO_LARGE,
+})
+
+
 class PdError(Exception):
     """An outcome that becomes a JSON error response. The only exception our pure code raises.
 
-    ``param`` must come from a fixed list in our code; ``status`` overrides the table only for
-    ``prefill_upstream_error``, which keeps the prefill worker's own status.
+    ``field`` must come from a fixed list in our code (``kv_transfer_params.tp_size``); ``problem`` says
+    what is wrong with it; ``status`` overrides the table only for ``prefill_upstream_error``, which
+    keeps the prefill worker's own status.
     """
 
-    def __init__(self, code: Code, *, param: str | None = None, status: int | None = None) -> None:
-        super().__init__(code.value if param is None else f"{code.value}: {param}")
+    def __init__(self, code: Code, *, field: str | None = None, problem: Problem | None = None,
+                 status: int | None = None) -> None:
         self.code = code
-        self.param = param
+        self.field = field
+        self.problem = problem
         self.status = status if status is not None else SPEC[code].status
+        super().__init__(code.value if self.param is None else f"{code.value}: {self.param}")
+
+    @property
+    def param(self) -> str | None:
+        """The OpenAI ``param``: the field, and what is wrong with it when that is known."""
+        if self.field is None or self.problem is None:
+            return self.field
+        return f"{self.field} {self.problem.phrase}"
+
+    @property
+    def handoff_reason(self) -> str | None:
+        """The ``reason`` label of a handoff failure (``remote_port_invalid``), None for other errors."""
+        if self.code not in HANDOFF_CODES:
+            return None
+        if self.field is None or self.problem is None:
+            return self.code.value
+        return f"{self.field.rsplit('.', 1)[-1]}_{self.problem.label}"
 
 
 def error_body(code: Code, param: str | None = None) -> bytes:

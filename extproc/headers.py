@@ -20,8 +20,10 @@ _RECOMPUTED = frozenset({"host", "content-length", "content-type", "expect", "ac
 _ROUTING_ONLY = frozenset({PREFILL_TARGET_HEADER})
 
 
-def prefill_headers(client_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The headers for the derived prefill request, in the client's order, names lower-case."""
+def prefill_headers(client_headers: Iterable[tuple[str, str]],
+                    reserved: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The headers for the derived prefill request, in the client's order, names lower-case, without
+    the headers the adapter reserves (it sets its own where it needs them)."""
     headers = [(name.lower(), value) for name, value in client_headers]
     named_by_connection = {
         token.strip().lower()
@@ -36,6 +38,7 @@ def prefill_headers(client_headers: Iterable[tuple[str, str]]) -> list[tuple[str
         and name not in _RECOMPUTED
         and name not in _ROUTING_ONLY
         and name not in named_by_connection
+        and name not in reserved
     ]
     kept.append(("content-type", "application/json"))
     kept.append(("accept-encoding", "identity"))  # the size cap applies to what we read, unexpanded

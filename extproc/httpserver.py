@@ -1,8 +1,8 @@
-"""A small asyncio HTTP/1.1 server on h11: our metrics and health endpoints, and the emulated engines.
+"""A small asyncio HTTP/1.1 server on h11, for our /metrics, /healthz and /readyz.
 
-It notices a client that closes its connection while a handler is still working (the handler task
-is cancelled and ``on_disconnect`` is told), which is what cancellation tests observe. Handlers can
-also take over the raw socket to misbehave on purpose (stall, drip, truncate).
+Requests in, one complete response each out, keep-alive. The emulated engines extend it
+(extproc/emulator/http.py) with streaming, disconnect detection and deliberate misbehaviour; none of
+that is here.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import h11
 
@@ -43,37 +44,9 @@ class Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class StreamResponse:
-    """A chunked response (SSE): each item of ``chunks`` is written and flushed as it comes."""
-
-    chunks: AsyncIterator[bytes]
-    status: int = 200
-    content_type: str = "text/event-stream"
-
-
-@dataclass(slots=True)
-class RawResponse:
-    """The handler writes raw bytes itself; the connection is closed afterwards."""
-
-    write: Callable[[asyncio.StreamWriter], Awaitable[None]]
-
-
-Reply = Response | StreamResponse | RawResponse
-
-
-def _eof(watch: asyncio.Future[bytes]) -> bool:
-    """A finished read of the request socket means the client left (EOF or a reset)."""
-    return watch.exception() is not None or not watch.result()
-Handler = Callable[[Request], Awaitable[Reply]]
-DisconnectHook = Callable[[Request], None]
-
-
 class HttpServer:
-    def __init__(self, handler: Handler, on_disconnect: DisconnectHook | None = None,
-                 max_body: int = 64 << 20) -> None:
+    def __init__(self, handler: Callable[[Request], Awaitable[Any]], max_body: int = 64 << 20) -> None:
         self._handler = handler
-        self._on_disconnect = on_disconnect
         self._max_body = max_body
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -141,99 +114,21 @@ class HttpServer:
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
 
-    async def _run_handler(self, request: Request, reader: asyncio.StreamReader,
-                           conn: h11.Connection) -> Reply | None:
-        """Run the handler while watching the socket: EOF means the client left."""
-        handler = asyncio.ensure_future(self._handler(request))
-        watch = asyncio.ensure_future(reader.read(1 << 16))
-        done, _ = await asyncio.wait({handler, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if watch in done and _eof(watch):
-            handler.cancel()
-            with contextlib.suppress(BaseException):
-                await handler
-            if self._on_disconnect is not None:
-                self._on_disconnect(request)
-            return None
-        if watch in done:  # a pipelined request: keep its bytes for the next cycle
-            conn.receive_data(watch.result())
-            reply = await handler
-        else:
-            watch.cancel()
-            with contextlib.suppress(BaseException):
-                await watch
-            reply = handler.result()
-        return reply
-
-    async def _until_disconnect(self, work: Awaitable[None], reader: asyncio.StreamReader,
-                                request: Request) -> None:
-        """Run ``work``; if the client closes the connection first, cancel it and report."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(reader.read(1 << 16))
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        for pending in (task, watch):
-            if not pending.done():
-                pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        if watch in done and _eof(watch) and task not in done and self._on_disconnect is not None:
-            self._on_disconnect(request)
+    async def _run_handler(self, request: Request, reader: asyncio.StreamReader, conn: h11.Connection) -> Any:
+        """The handler's reply (None ends the connection)."""
+        return await self._handler(request)
 
     async def _write_reply(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter, request: Request, reply: Reply) -> bool:
-        if isinstance(reply, RawResponse):
-            await self._until_disconnect(reply.write(writer), reader, request)
-            return False
-        if writer.is_closing():  # the client left while the handler ran
-            if self._on_disconnect is not None:
-                self._on_disconnect(request)
-            return False
-        if isinstance(reply, Response):
-            headers = [("content-type", reply.content_type), ("content-length", str(len(reply.body))),
-                       *reply.headers]
-            writer.write(conn.send(h11.Response(status_code=reply.status, headers=headers)) or b"")
-            writer.write(conn.send(h11.Data(data=reply.body)) or b"")
-            writer.write(conn.send(h11.EndOfMessage()) or b"")
-            await writer.drain()
-            return True
-        headers = [("content-type", reply.content_type), ("cache-control", "no-cache"),
-                   ("transfer-encoding", "chunked")]
-        writer.write(conn.send(h11.Response(status_code=reply.status, headers=headers)) or b"")
-        await writer.drain()
-        watch = asyncio.ensure_future(reader.read(1 << 16))
-        chunks = aiter(reply.chunks)
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(chunks))
-                done, _ = await asyncio.wait({step, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done and _eof(watch):  # the client left mid-stream
-                    step.cancel()
-                    with contextlib.suppress(BaseException):
-                        await step
-                    if self._on_disconnect is not None:
-                        self._on_disconnect(request)
-                    return False
-                try:
-                    chunk = await step
-                except StopAsyncIteration:
-                    break
-                try:
-                    # uvloop raises RuntimeError on a write to a closed transport (asyncio's own loop
-                    # drops the bytes), so a closed transport is checked first, as a disconnect.
-                    if writer.is_closing():
-                        raise ConnectionResetError("the client closed the connection")
-                    writer.write(conn.send(h11.Data(data=chunk)) or b"")
-                    await writer.drain()
-                except ConnectionError:  # the client left while we were writing
-                    if self._on_disconnect is not None:
-                        self._on_disconnect(request)
-                    return False
-        finally:
-            if not watch.done():
-                watch.cancel()
-                with contextlib.suppress(BaseException):
-                    await watch
-        if writer.is_closing():
-            return False
-        writer.write(conn.send(h11.EndOfMessage()) or b"")
-        await writer.drain()
+                           writer: asyncio.StreamWriter, request: Request, reply: Any) -> bool:
+        """Write a reply; False ends the connection."""
+        assert isinstance(reply, Response)
+        await write_response(conn, writer, reply)
         return True
+
+
+async def write_response(conn: h11.Connection, writer: asyncio.StreamWriter, reply: Response) -> None:
+    headers = [("content-type", reply.content_type), ("content-length", str(len(reply.body))), *reply.headers]
+    writer.write(conn.send(h11.Response(status_code=reply.status, headers=headers)) or b"")
+    writer.write(conn.send(h11.Data(data=reply.body)) or b"")
+    writer.write(conn.send(h11.EndOfMessage()) or b"")
+    await writer.drain()

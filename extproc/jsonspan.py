@@ -92,6 +92,21 @@ def members(raw: bytes) -> list[Member]:
         pos = _skip_ws(raw, pos + 1)
 
 
+def unique_members(raw: bytes) -> list[Member] | None:
+    """The members, or None when a key repeats: parsers disagree on which duplicate wins, so a body
+    with one is refused rather than guessed at."""
+    found = members(raw)
+    return found if len({m.name for m in found}) == len(found) else None
+
+
+def member_value(raw: bytes, spans: Iterable[Member], name: str) -> bytes | None:
+    """The raw bytes of a top-level member's value, or None if the member is absent."""
+    for member in spans:
+        if member.name == name:
+            return raw[member.value_start:member.end]
+    return None
+
+
 def value_bytes(raw: bytes, member: Member) -> bytes:
     return raw[member.value_start:member.end]
 

@@ -38,7 +38,9 @@ class RequestRecord:
     prefill_seconds: float | None = None  # the whole leg, body read included
     body_bytes: int | None = None
     prefill_response_bytes: int | None = None
-    handoff_problem: str | None = None  # a field name from the adapter's fixed list
+    handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
+    done: bool = False  # logged and counted
     trace: RequestTrace | None = None  # only with PD_EXTPROC_TRACING=otlp
 
 

@@ -14,6 +14,7 @@ import orjson
 
 from extproc import jsonspan
 from extproc.errors import Code, PdError
+from extproc.fields import is_int
 
 
 class Endpoint(StrEnum):
@@ -54,10 +55,6 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> ClientRequest:
     """Validate the request the client sent on the P/D route; raise PdError for anything we refuse."""
     endpoint = endpoint_of(path)
@@ -71,32 +68,29 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
         raise PdError(Code.INVALID_REQUEST_BODY) from None
     if not isinstance(body, dict):
         raise PdError(Code.INVALID_REQUEST_BODY)
-    members = tuple(jsonspan.members(raw))
-    if len({m.name for m in members}) != len(members):
-        # Parsers disagree on which duplicate wins; we refuse rather than guess what the engine sees.
+    members = jsonspan.unique_members(raw)
+    if members is None:  # we refuse rather than guess which duplicate the engine sees
         raise PdError(Code.INVALID_REQUEST_BODY)
     _check_fields(endpoint, body)
-    return ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=members)
+    return ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members))
 
 
 def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
     for name in _OPTIONAL_BOOL:
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
-            raise PdError(Code.INVALID_REQUEST_FIELD, param=name)
+            raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
     for name in _OPTIONAL_POSITIVE_INT:
         value = body.get(name)
-        if value is not None and not (_is_int(value) and value >= 1):
-            raise PdError(Code.INVALID_REQUEST_FIELD, param=name)
+        if value is not None and not (is_int(value) and value >= 1):
+            raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
     n = body.get("n")
-    if n is not None and not (_is_int(n) and n == 1):
-        raise PdError(Code.UNSUPPORTED_PD_VARIANT, param="n")
-    if body.get("kv_transfer_params") not in (None, {}):
-        raise PdError(Code.KV_TRANSFER_PARAMS_NOT_ALLOWED, param="kv_transfer_params")
+    if n is not None and not (is_int(n) and n == 1):
+        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="n")
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise PdError(Code.INVALID_REQUEST_FIELD, param="messages")
+            raise PdError(Code.INVALID_REQUEST_FIELD, field="messages")
     else:
         _check_prompt(body.get("prompt"))
 
@@ -110,10 +104,10 @@ def _check_prompt(prompt: object) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(token) for token in prompt):
+        if all(is_int(token) for token in prompt):
             return
         if len(prompt) == 1 and (isinstance(prompt[0], str) or
-                                 (isinstance(prompt[0], list) and all(_is_int(t) for t in prompt[0]))):
+                                 (isinstance(prompt[0], list) and all(is_int(t) for t in prompt[0]))):
             return
-        raise PdError(Code.UNSUPPORTED_PD_VARIANT, param="prompt")
-    raise PdError(Code.INVALID_REQUEST_FIELD, param="prompt")
+        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="prompt")
+    raise PdError(Code.INVALID_REQUEST_FIELD, field="prompt")

@@ -8,8 +8,10 @@ cancelled with it, so decode is never dispatched.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -22,12 +24,18 @@ from grpc_health.v1._async import HealthServicer
 
 from extproc import envoy_messages as msg
 from extproc.adapters import build_adapter
+from extproc.admission import Admission
+from extproc.background import BackgroundPrefills
 from extproc.config import ConfigError, Settings
 from extproc.errors import Code
 from extproc.httpserver import HttpServer, Request, Response
 from extproc.metrics import Metrics
 from extproc.prefill_policy import PrefillPolicy
-from extproc.processor import Admission, PdProcessor, Pending
+from extproc.prefill_target import PrefillTarget
+from extproc.processor import PdProcessor, Pending
+from extproc.settings_spec import SecretFileError
+from extproc.transport import ResolvedTarget
+from extproc.units import Address
 from extproc.upstream import PrefillClient, PrefillLimits, PrefillTls, tls_context
 
 if TYPE_CHECKING:
@@ -40,9 +48,8 @@ HEALTH_NOTICE = 2.5
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, processor: PdProcessor, background: set[asyncio.Task[None]]) -> None:
+    def __init__(self, processor: PdProcessor) -> None:
         self._processor = processor
-        self._background = background
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -53,8 +60,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             async for response in self._exchange(request_iterator, seen):
                 if isinstance(response, asyncio.Task):
                     background = response
-                    self._background.add(background)
-                    background.add_done_callback(self._background.discard)
                     continue
                 yield response
         except asyncio.CancelledError:
@@ -91,10 +96,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     log.error("request body arrived before its headers: check the Envoy processing mode")
                     yield msg.error_reply(Code.INTERNAL_ERROR, 500)
                     return
-                response, background = await self._processor.on_body(head, pending, request.request_body.body)
-                if background is not None:
-                    yield background
-                yield response
+                outcome = await self._processor.on_body(head, pending, request.request_body.body)
+                if outcome.background is not None:
+                    yield outcome.background
+                yield outcome.response
             elif kind is not None:
                 # Not configured to arrive; answer so Envoy does not treat the stream as broken.
                 response = pb.ProcessingResponse()
@@ -112,6 +117,21 @@ def _prefill_tls(settings: Settings) -> PrefillTls | None:
     return PrefillTls(context, settings.prefill_server_name)
 
 
+def _decode_target(decode: Address) -> ResolvedTarget:
+    """The local decode worker as a transport target (for a concurrent engine's abort request). Its
+    address is configured, never taken from a request, so the prefill policy does not apply; a name is
+    resolved once, here."""
+    try:
+        ip = ipaddress.ip_address(decode.host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(decode.host, decode.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ConfigError(f"the decode worker's name {decode.host} does not resolve: {exc}") from None
+        ip = ipaddress.ip_address(str(infos[0][4][0]).split("%", 1)[0])
+    return ResolvedTarget(PrefillTarget(decode.host, decode.port, ip), ip, tls=False)
+
+
 def _tracing(settings: Settings) -> Tracing | None:
     if settings.tracing == "off":
         return None
@@ -120,6 +140,10 @@ def _tracing(settings: Settings) -> Tracing | None:
     except ImportError:
         raise ConfigError("PD_EXTPROC_TRACING=otlp needs the otel extra: pip install 'pd-extproc[otel]'") from None
     return Tracing(settings.otlp_endpoint)
+
+
+class ListenError(OSError):
+    """A listener cannot bind; the message says which and where, for the operator."""
 
 
 class ExtProcServer:
@@ -138,9 +162,15 @@ class ExtProcServer:
             max_connections=settings.max_inflight,
         ), self.policy, _prefill_tls(settings))
         self.tracing = _tracing(settings)
+        self.background = BackgroundPrefills()
+        try:
+            adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
+        except SecretFileError as exc:
+            raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
         self.processor = PdProcessor(
-            build_adapter(settings.adapter, settings.protocol, settings), self.prefill, settings.max_request_bytes,
-            self.admission, self.metrics, self.tracing,
+            adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
+            metrics=self.metrics, background=self.background, decode=_decode_target(settings.decode),
+            tracing=self.tracing,
         )
         self.health = HealthServicer()
         self.http = HttpServer(self._http)
@@ -151,12 +181,14 @@ class ExtProcServer:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", 0x7FFFFFFF),
         ])
-        self.background: set[asyncio.Task[None]] = set()
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor, self.background), self.grpc)
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())
+        try:
+            self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())
+        except RuntimeError:  # grpc says "Failed to bind" as a RuntimeError
+            self.bound_port = 0
         if self.bound_port == 0 and not settings.grpc_listen.is_unix:
-            raise OSError(f"cannot listen on {settings.grpc_listen}")
+            raise ListenError(f"cannot listen on {settings.grpc_listen} (grpc_listen): is it in use?")
 
     @property
     def address(self) -> str:
@@ -178,8 +210,13 @@ class ExtProcServer:
         return Response(404, b'{"status":"not found"}')
 
     async def start(self) -> None:
+        listen = self.settings.metrics_listen
+        try:
+            self.metrics_port = await self.http.start(listen.host, listen.port)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
+                              "with --metrics-listen") from None
         await self.grpc.start()
-        self.metrics_port = await self.http.start(self.settings.metrics_listen.host, self.settings.metrics_listen.port)
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if not self.policy.explicit:
@@ -197,14 +234,11 @@ class ExtProcServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
         await asyncio.sleep(notice)  # in-flight requests carry on meanwhile
-        started = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        grace_ends = loop.time() + self.settings.drain_timeout - notice
         await self.grpc.stop(self.settings.drain_timeout - notice)
-        if self.background:  # concurrent-flow prefill requests still draining
-            remaining = max(0.0, self.settings.drain_timeout - notice - (asyncio.get_running_loop().time() - started))
-            _, late = await asyncio.wait(self.background, timeout=remaining)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        # Concurrent-flow prefill requests still running: the rest of the grace period, then cancelled.
+        await self.background.drain(grace_ends - loop.time())
         await self.prefill.aclose()
         await self.http.close()
         if self.tracing is not None:

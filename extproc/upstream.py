@@ -7,7 +7,8 @@ This is the only module that talks to prefill workers. Every failure becomes a P
   * no address, or the connection failed or broke before a response head -> prefill_upstream_unavailable
   * the connection broke after the head, mid-body                        -> prefill_response_truncated
   * the body exceeds the cap (Content-Length, or while reading)          -> prefill_response_too_large
-A non-200 status is returned without reading its body: it is never relayed.
+A non-200 status is returned without reading its body: it is never relayed. The exception -> code
+table is ``classify`` (pure; unit-tested row by row).
 
 A host name is resolved here, once per request, and we connect to the address that was checked, so
 a second resolution cannot swap in a forbidden address. aiohttp rather than httpx: on the same
@@ -19,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import socket
 import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,12 +35,24 @@ from yarl import URL
 from extproc.adapters.base import PrefillReply
 from extproc.errors import Code, PdError
 from extproc.metrics import RequestRecord
-from extproc.prefill_policy import IPAddress, PrefillPolicy, first_allowed
+from extproc.prefill_policy import PrefillPolicy, first_allowed
 from extproc.prefill_target import PrefillTarget
+from extproc.transport import Bounds, ResolvedTarget
 
 _READ_CHUNK = 64 << 10
-SERVER_INFO_TTL = 60.0  # seconds a discovered server-info document is reused for one endpoint
-SERVER_INFO_ENTRIES = 1024  # endpoints remembered at most (oldest dropped first)
+
+
+class Phase(Enum):
+    HEAD = "head"  # connecting, sending, waiting for the response head
+    BODY = "body"  # reading the response body
+
+
+def classify(exc: BaseException, phase: Phase) -> Code:
+    """The error code of a transport failure: a timeout is a timeout in either phase; any other
+    failure is "unavailable" before the response head and "truncated" after it."""
+    if isinstance(exc, aiohttp.ServerTimeoutError | aiohttp.ConnectionTimeoutError | TimeoutError):
+        return Code.PREFILL_UPSTREAM_TIMEOUT
+    return Code.PREFILL_UPSTREAM_UNAVAILABLE if phase is Phase.HEAD else Code.PREFILL_RESPONSE_TRUNCATED
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +62,6 @@ class PrefillLimits:
     deadline: float
     max_response_bytes: int
     max_connections: int
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedTarget:
-    target: PrefillTarget
-    ip: IPAddress
-
-    @property
-    def connect_authority(self) -> str:
-        return f"[{self.ip}]:{self.target.port}" if self.ip.version == 6 else f"{self.ip}:{self.target.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +96,7 @@ class PrefillClient:
         self._limits = limits
         self._policy = policy
         self._tls = tls
-        self._scheme = "https" if tls is not None else "http"
         self._session: aiohttp.ClientSession | None = None
-        self._server_info: dict[tuple[str, int, str], tuple[float, dict[str, Any]]] = {}
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout,
         )
@@ -123,49 +124,6 @@ class PrefillClient:
         if self._session is not None:
             await self._session.close()
 
-    async def server_info(self, resolved: ResolvedTarget, path: str) -> dict[str, Any]:
-        """GET a JSON object from the prefill worker (e.g. SGLang's /server_info), cached per endpoint
-        for SERVER_INFO_TTL seconds, at most SERVER_INFO_ENTRIES endpoints. Same caps and deadline as
-        the prefill leg; failures are the prefill leg's errors."""
-        key = (str(resolved.ip), resolved.target.port, path)
-        now = time.monotonic()
-        cached = self._server_info.get(key)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        try:
-            async with asyncio.timeout(self._limits.deadline):
-                status, body = await self._get(resolved, path)
-        except TimeoutError:
-            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
-        if status != 200:
-            raise PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502)
-        try:
-            info = json.loads(body)
-        except ValueError:
-            raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
-        if not isinstance(info, dict):
-            raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
-        self._server_info[key] = (now + SERVER_INFO_TTL, info)
-        while len(self._server_info) > SERVER_INFO_ENTRIES:
-            self._server_info.pop(next(iter(self._server_info)))
-        return info
-
-    async def _get(self, resolved: ResolvedTarget, path: str) -> tuple[int, bytes]:
-        url = URL(f"{self._scheme}://{resolved.connect_authority}{path}", encoded=True)
-        server_name = (self._tls.server_name or resolved.target.host) if self._tls is not None else None
-        try:
-            response = await self._open().get(url, headers=[("host", resolved.target.authority)],
-                                               allow_redirects=False, server_hostname=server_name)
-        except (aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError):
-            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
-        except (aiohttp.ClientError, OSError):
-            raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
-        try:
-            body = await self._read_capped(response) if response.status == 200 else b""
-            return response.status, body
-        finally:
-            response.close()
-
     async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:
@@ -185,44 +143,56 @@ class PrefillClient:
         chosen = first_allowed(self._policy, addresses, target.port, name_allowed)
         if chosen is None:
             raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
-        return ResolvedTarget(target, chosen)
+        return ResolvedTarget(target, chosen, tls=self._tls is not None)
 
-    async def post(self, resolved: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
-                   record: RequestRecord) -> PrefillReply:
+    async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
+                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> PrefillReply:
         """POST ``body`` to the resolved target under the total deadline; see the module docstring."""
+        return await self._bounded("POST", target, path, headers, body, record, bounds)
+
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
+        return await self._bounded("GET", target, path, headers, None, None, None)
+
+    async def _bounded(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
+                       body: bytes | None, record: RequestRecord | None, bounds: Bounds | None) -> PrefillReply:
         started = time.perf_counter()
+        deadline = bounds.deadline if bounds is not None else self._limits.deadline
+        gaps = self._timeout if bounds is None else aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=self._limits.connect_timeout, sock_read=bounds.read_timeout)
         try:
-            async with asyncio.timeout(self._limits.deadline):
-                return await self._exchange(resolved, path, headers, body, record, started)
+            async with asyncio.timeout(deadline):
+                return await self._exchange(method, target, path, headers, body, record, started, gaps)
         except TimeoutError:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:
-            record.prefill_seconds = time.perf_counter() - started
+            if record is not None:
+                record.prefill_seconds = time.perf_counter() - started
 
-    async def _exchange(self, resolved: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
-                        record: RequestRecord, started: float) -> PrefillReply:
+    async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
+                        body: bytes | None, record: RequestRecord | None, started: float,
+                        gaps: aiohttp.ClientTimeout) -> PrefillReply:
+        tls = self._tls if target.tls else None
         # encoded=True: the client's path and query go out exactly as received (no re-quoting of %2F).
-        url = URL(f"{self._scheme}://{resolved.connect_authority}{path}", encoded=True)
-        server_name = None
-        if self._tls is not None:
-            server_name = self._tls.server_name or resolved.target.host
+        url = URL(f"{'https' if tls else 'http'}://{target.connect_authority}{path}", encoded=True)
         try:
-            response = await self._open().post(
-                url, data=body, headers=[*headers, ("host", resolved.target.authority)], allow_redirects=False,
-                server_hostname=server_name, trace_request_ctx=record,
+            response = await self._open().request(
+                method, url, data=body, headers=[*headers, ("host", target.target.authority)],
+                allow_redirects=False, ssl=tls.context if tls else False,
+                server_hostname=(tls.server_name or target.target.host) if tls else None, trace_request_ctx=record,
+                timeout=gaps,
             )
-        except (aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError):
-            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
-        except (aiohttp.ClientError, OSError):
-            raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
-        record.prefill_response_seconds = time.perf_counter() - started
-        record.prefill_status = response.status
+        except (aiohttp.ClientError, OSError) as exc:
+            raise PdError(classify(exc, Phase.HEAD)) from None
+        if record is not None:
+            record.prefill_response_seconds = time.perf_counter() - started
+            record.prefill_status = response.status
         try:
             content_type = response.headers.get("content-type")
             if response.status != 200:
                 return PrefillReply(response.status, content_type, b"")
             body_read = await self._read_capped(response)
-            record.prefill_response_bytes = len(body_read)
+            if record is not None:
+                record.prefill_response_bytes = len(body_read)
             return PrefillReply(200, content_type, body_read)
         finally:
             response.close()
@@ -242,8 +212,6 @@ class PrefillClient:
                 if size > cap:
                     raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE)
                 chunks.append(chunk)
-        except aiohttp.ServerTimeoutError:
-            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
-        except (aiohttp.ClientError, OSError):
-            raise PdError(Code.PREFILL_RESPONSE_TRUNCATED) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise PdError(classify(exc, Phase.BODY)) from None
         return b"".join(chunks)

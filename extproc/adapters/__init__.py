@@ -1,55 +1,75 @@
-"""Adapter registry: one line per engine protocol. ``none`` is the kill switch (no adapter).
+"""The engine registry: the built-in engines, plus any installed package's ``pd_extproc.engines`` entry
+points (each names an ``Engine``). ``none`` is the kill switch (no adapter).
 
-A registry entry is ``name -> (protocol pins, default first; factory(pin, settings); flow)``. Adding an
-engine means one module in this package and one line here.
+Adding an engine is its module (an ``ENGINE``, its adapter), its emulator module and its tests: this
+registry, the settings, the CLI and the stack read everything else from the ``Engine``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+import importlib
+from collections.abc import Mapping
+from importlib.metadata import entry_points
 
-from extproc.adapters import sglang, trtllm
-from extproc.adapters.base import Adapter, Flow
-from extproc.adapters.vllm_nixl import VllmNixlAdapter
+from extproc.adapters.base import Adapter, Engine, Flow, Options
 
-if TYPE_CHECKING:
-    from extproc.config import Settings
+BUILTIN_MODULES = ("extproc.adapters.vllm_nixl", "extproc.adapters.sglang", "extproc.adapters.trtllm")
+ENTRY_POINT_GROUP = "pd_extproc.engines"
+KILL_SWITCH = "none"
 
-Factory = Callable[[str, "Settings"], Adapter]
 
-REGISTRY: Mapping[str, tuple[tuple[str, ...], Factory, Flow]] = {
-    VllmNixlAdapter.name: (VllmNixlAdapter.protocols, lambda pin, _: VllmNixlAdapter(pin), VllmNixlAdapter.flow),
-    sglang.SglangAdapter.name: (sglang.PROTOCOLS, sglang.build, sglang.SglangAdapter.flow),
-    trtllm.TrtllmAdapter.name: (trtllm.PROTOCOLS, trtllm.build, trtllm.TrtllmAdapter.flow),
-}
+class EngineLoadError(RuntimeError):
+    """An installed engine plugin is broken; the message names it."""
+
+
+def _discover() -> dict[str, Engine]:
+    found: dict[str, Engine] = {}
+    candidates: list[tuple[str, object]] = [(m, importlib.import_module(m).ENGINE) for m in BUILTIN_MODULES]
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            candidates.append((f"entry point {point.value}", point.load()))
+        except Exception as exc:  # a plugin's import error must say which plugin
+            raise EngineLoadError(f"engine plugin {point.value} cannot be loaded: {exc!r}") from exc
+    for origin, engine in candidates:
+        if not isinstance(engine, Engine):
+            raise EngineLoadError(f"{origin} is not an extproc.adapters.base.Engine")
+        if engine.name in found or engine.name == KILL_SWITCH:
+            raise EngineLoadError(f"{origin} registers the engine name {engine.name!r} a second time")
+        found[engine.name] = engine
+    return found
+
+
+ENGINES: Mapping[str, Engine] = _discover()
+# The same engines by inference engine name (vllm, sglang, trtllm), for `pd-extproc emulate --engine`.
+BY_ENGINE: Mapping[str, Engine] = {engine.engine: engine for engine in reversed(list(ENGINES.values()))}
 
 
 def adapter_flow(adapter: str) -> Flow | None:
     """The flow of a registered adapter (None for the ``none`` kill switch)."""
-    return REGISTRY[adapter][2] if adapter in REGISTRY else None
+    engine = ENGINES.get(adapter)
+    return engine.flow if engine is not None else None
 
 
 def protocol_problem(adapter: str, protocol: str) -> str | None:
     """Why this adapter/protocol pair cannot start, or None if it can."""
-    if adapter == "none":
+    if adapter == KILL_SWITCH:
         return None
-    if adapter not in REGISTRY:
+    if adapter not in ENGINES:
         return f"unknown adapter {adapter!r}"
-    pins = REGISTRY[adapter][0]
+    pins = ENGINES[adapter].pins
     if protocol and protocol not in pins:
         return f"adapter {adapter} does not implement protocol {protocol!r} (supported: {', '.join(pins)})"
     return None
 
 
-def build_adapter(adapter: str, protocol: str, settings: Settings | None = None) -> Adapter | None:
-    """The adapter for a validated setting pair; None for the ``none`` kill switch. ``settings``
-    carries adapter-specific settings (sglang_bootstrap_port); without it the defaults apply."""
-    if adapter == "none":
-        return None
-    if settings is None:
-        from extproc.config import Settings
+def default_pin(adapter: str) -> str:
+    return ENGINES[adapter].pins[0]
 
-        settings = Settings()
-    pins, factory, _ = REGISTRY[adapter]
-    return factory(protocol or pins[0], settings)
+
+def build_adapter(adapter: str, protocol: str, options: Options) -> Adapter | None:
+    """The adapter for a validated setting pair; None for the ``none`` kill switch. ``options`` holds
+    the engines' own settings by name (defaults where unset)."""
+    if adapter == KILL_SWITCH:
+        return None
+    engine = ENGINES[adapter]
+    return engine.build(protocol or engine.pins[0], options)

@@ -1,32 +1,38 @@
-"""The adapter interface: what an engine's P/D protocol must provide. Adapters are pure: no I/O,
-no logging, no clocks; randomness only through the ``nonce`` argument.
+"""What an engine is to pd-extproc: an ``Engine`` (its name, protocol pins, flow, settings and emulator)
+and an adapter for the flow it follows. Adapters are pure: no I/O, no logging, no clocks; randomness
+only through ``PlanInput.nonce``. They raise only PdError; any other exception is a bug.
 
-An adapter answers these questions:
-  * ``plan``: from the validated client request, what does the prefill worker get (and, for
-    CONCURRENT engines, what does decode get, right away)?
-  * ``decide`` (SEQUENTIAL engines): from the prefill worker's reply, what does the decode worker
-    get, or what does the client get instead (a direct answer, or a PdError)?
-  * ``check_background`` (CONCURRENT engines): the prefill reply arrives after decode started; is
-    it a success? A PdError here is logged and counted, it cannot reach the client any more.
-If ``server_info_path`` is set, the processor GETs that path on the prefill worker (once per
-endpoint, cached with a bound and a TTL) and passes the JSON object to ``plan``.
-Adapters raise only PdError; any other exception is a bug.
+Two flows, each with only the methods it has:
+  * ``SequentialAdapter`` (vLLM, TensorRT-LLM): the prefill request, then from its reply either the
+    decode body or a direct answer (``decide``).
+  * ``ConcurrentAdapter`` (SGLang): both bodies at once (``plan``); the prefill reply arrives after decode
+    started and is only checked (``check_prefill``); a failed prefill aborts the decode request
+    (``ConcurrentPlan.abort``), since the engines would otherwise wait for each other.
+If ``server_info_path`` is set, the processor GETs that path on the prefill worker (cached per endpoint)
+and passes the JSON object in ``PlanInput.server_info``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
+from extproc.fields import ReservedField
 from extproc.openai_request import ClientRequest
 from extproc.prefill_target import PrefillTarget
+from extproc.settings_spec import SettingSpec
 
 
 class Flow(Enum):
     SEQUENTIAL = "sequential"  # prefill, validate its handoff, then decode
     CONCURRENT = "concurrent"  # prefill and decode start together and rendezvous inside the engines
+
+
+ServerInfo = Mapping[str, Any]
+Headers = tuple[tuple[str, bytes], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,16 +43,20 @@ class PrefillReply:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    prefill_body: bytes
-    decode_body: bytes | None = None  # set by CONCURRENT adapters only
+class PlanInput:
+    """What the processor knows when an adapter plans the legs."""
+
+    target: PrefillTarget  # the address we resolved and checked (host is the IP's text)
+    nonce: int  # 63 random bits, for the ids an engine needs (rooms, request ids)
+    server_info: ServerInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeWith:
-    """Let Envoy send this body to the local decode worker."""
+    """Let Envoy send this body, with these extra headers, to the local decode worker."""
 
     body: bytes
+    headers: Headers = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,20 +71,105 @@ class AnswerDirectly:
 Decision = DecodeWith | AnswerDirectly
 
 
-ServerInfo = Mapping[str, Any]
+@dataclass(frozen=True, slots=True)
+class DecodeAbort:
+    """A request to the local decode worker that ends a waiting decode request at once."""
+
+    path: str
+    body: bytes
 
 
-class Adapter(Protocol):
+@dataclass(frozen=True, slots=True)
+class ConcurrentPlan:
+    prefill_body: bytes
+    decode: DecodeWith
+    abort: DecodeAbort | None = None  # sent to decode when the prefill leg fails
+
+
+class _Adapter:
+    """What both flows have: a name, a protocol pin, the client fields and headers the route owns."""
+
     name: ClassVar[str]
     flow: ClassVar[Flow]
-    server_info_path: ClassVar[str | None]
+    reserved_fields: ClassVar[tuple[ReservedField, ...]] = ()
+    # Headers the P/D route owns: a client's copy never reaches either leg.
+    reserved_headers: frozenset[str] = frozenset()
+    server_info_path: str | None = None
+
+    def __init__(self, protocol: str) -> None:
+        self._protocol = protocol
 
     @property
-    def protocol(self) -> str: ...
+    def protocol(self) -> str:
+        return self._protocol
 
-    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int, server_info: ServerInfo | None) -> Plan:
-        ...
+    @property
+    def worker_headers(self) -> Headers:
+        """Headers every request to a worker carries (both legs, discovery, an abort), set by us."""
+        return ()
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision: ...
 
-    def check_background(self, reply: PrefillReply) -> None: ...
+class SequentialAdapter(_Adapter, ABC):
+    flow: ClassVar[Flow] = Flow.SEQUENTIAL
+
+    @abstractmethod
+    def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
+        """The derived prefill-only request."""
+
+    @abstractmethod
+    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
+        """From the prefill reply: the decode body, or the client's answer."""
+
+
+class ConcurrentAdapter(_Adapter, ABC):
+    flow: ClassVar[Flow] = Flow.CONCURRENT
+    # The whole background prefill request, silence included: a concurrent engine answers the prefill
+    # only after decode has pulled the KV, so this follows the engine's own timeouts.
+    prefill_deadline: float
+
+    @abstractmethod
+    def plan(self, request: ClientRequest, plan: PlanInput) -> ConcurrentPlan:
+        """Both legs' bodies, sent together."""
+
+    @abstractmethod
+    def check_prefill(self, reply: PrefillReply) -> None:
+        """Raise PdError unless the prefill reply, arriving after decode started, is a success."""
+
+
+Adapter = SequentialAdapter | ConcurrentAdapter
+Options = Mapping[str, Any]
+
+
+def no_option_problems(pin: str, options: Options) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class Demo:
+    """What ``pd-extproc up --demo`` needs for an engine beyond its two emulated workers: settings
+    (PD_EXTPROC_* variables) for the server, and optionally one shared key, which ``up`` generates into
+    a file and passes to the server (the ``key_setting`` variable) and to both workers (``key_flag``)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    key_setting: str = ""
+    key_flag: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """One engine's declaration; its module is all a new engine needs (plus its emulator and tests).
+
+    ``settings`` are its own PD_EXTPROC_* settings; ``build`` gets the pin and those settings' values
+    by name; ``option_problems`` adds the cross-field rules (e.g. a pin that needs a key).
+    ``emulator`` is ``module:Class`` of its emulated worker (loaded only by ``pd-extproc emulate``)."""
+
+    name: str  # the adapter's name (PD_EXTPROC_ADAPTER)
+    engine: str  # the inference engine's name (`pd-extproc emulate --engine`)
+    pins: tuple[str, ...]  # the default first
+    flow: Flow
+    build: Callable[[str, Options], Adapter]
+    emulator: str
+    settings: tuple[SettingSpec, ...] = ()
+    option_problems: Callable[[str, Options], list[str]] = no_option_problems
+    demo: Demo = Demo()
+    summary: str = ""  # one line for the README's engine table and --help

@@ -1,4 +1,4 @@
-"""Reading a prefill worker's non-streaming JSON reply: the checks every sequential adapter shares."""
+"""Reading a prefill worker's non-streaming JSON reply: the checks every adapter shares."""
 
 from __future__ import annotations
 
@@ -34,15 +34,7 @@ def parse_prefill_object(reply: PrefillReply) -> tuple[dict[str, Any], list[json
         raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
     if not isinstance(parsed, dict):
         raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
-    spans = jsonspan.members(reply.body)
-    if len({m.name for m in spans}) != len(spans):
+    spans = jsonspan.unique_members(reply.body)
+    if spans is None:
         raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
     return parsed, spans
-
-
-def member_value(raw: bytes, spans: list[jsonspan.Member], name: str) -> bytes | None:
-    """The raw bytes of a top-level member's value, or None if the member is absent."""
-    for member in spans:
-        if member.name == name:
-            return jsonspan.value_bytes(raw, member)
-    return None

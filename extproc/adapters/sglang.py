@@ -15,33 +15,48 @@ Field names and JSON types are SGLang's (PROTOCOL.md, "sglang"): ``PDRoutingFiel
 
 Deliberate limits: ``n`` other than 1 and completion batches are refused before any leg
 (openai_request.py), so the three fields are always scalars; a client-supplied bootstrap field is
-refused (it would point decode at a host of the client's choosing); ``bootstrap_host`` is the address
-the processor resolved and checked against the prefill policy (never a name the decode engine would
-resolve again); neither leg is retried.
+refused as a reserved field (it would point decode at a host of the client's choosing);
+``bootstrap_host`` is the address the processor resolved and checked against the prefill policy
+(never a name the decode engine would resolve again); neither leg is retried.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import orjson
 
 from extproc import jsonspan
-from extproc.adapters.base import Decision, Flow, Plan, PrefillReply, ServerInfo
+from extproc.adapters.base import (
+    ConcurrentAdapter,
+    ConcurrentPlan,
+    DecodeWith,
+    Demo,
+    Engine,
+    Flow,
+    Options,
+    PlanInput,
+    PrefillReply,
+)
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.errors import Code, PdError
+from extproc.errors import Problem
+from extproc.fields import ReservedField, handoff_error, is_port
 from extproc.openai_request import ClientRequest
-from extproc.prefill_target import PrefillTarget
-
-if TYPE_CHECKING:
-    from extproc.config import Settings
+from extproc.settings_spec import SettingSpec, positive_duration
 
 PROTOCOL_0_5_23 = "sglang-0.5.23-bootstrap"
 PROTOCOLS = (PROTOCOL_0_5_23,)
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 SERVER_INFO_PATH = "/server_info"
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+BOOTSTRAP_PORT_SETTING = "sglang_bootstrap_port"
+PREFILL_DEADLINE_SETTING = "sglang_prefill_deadline"
+# SGLang's own bounds on a P/D request: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (prefill waits for
+# decode) and SGLANG_DISAGGREGATION_WAITING_TIMEOUT (decode waits for the KV), 300 s each
+# (srt/environ.py). Ours is longer, so the engines' own timeouts end a stuck request first.
+ENGINE_TIMEOUT = 300.0
+DEFAULT_PREFILL_DEADLINE = ENGINE_TIMEOUT + 30.0
 # bootstrap_room is stored in an int64/uint64 metadata buffer on both engines; 0 there means "no
 # metadata landed yet", so a room of 0 would never complete. Rooms are 1 <= room < 2**63.
 ROOM_LIMIT = 1 << 63
@@ -53,22 +68,16 @@ def room_from_nonce(nonce: int) -> int:
     return 1 + nonce % (ROOM_LIMIT - 1)
 
 
-def refuse_client_bootstrap(request: ClientRequest) -> None:
-    """The P/D route sets the bootstrap fields; a client's own value (other than null) is refused."""
-    for name in BOOTSTRAP_FIELDS:
-        if request.body.get(name) is not None:
-            raise PdError(Code.INVALID_REQUEST_FIELD, param=name)
-
-
 def bootstrap_port_from(server_info: Mapping[str, Any]) -> int:
     """The prefill engine's bootstrap port from its /server_info; it must be a prefill-mode engine."""
     if server_info.get("disaggregation_mode") != "prefill":
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param="server_info.disaggregation_mode is invalid")
+        raise handoff_error("server_info.disaggregation_mode", Problem.INVALID)
     if "disaggregation_bootstrap_port" not in server_info:
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param="server_info.disaggregation_bootstrap_port is missing")
+        raise handoff_error("server_info.disaggregation_bootstrap_port", Problem.MISSING)
     port = server_info["disaggregation_bootstrap_port"]
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param="server_info.disaggregation_bootstrap_port is invalid")
+    if not is_port(port):
+        raise handoff_error("server_info.disaggregation_bootstrap_port", Problem.INVALID)
+    assert isinstance(port, int)
     return port
 
 
@@ -99,58 +108,70 @@ def check_prefill_reply(reply: PrefillReply) -> None:
     parsed, _ = parse_prefill_object(reply)
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param="choices is missing")
+        raise handoff_error("choices", Problem.MISSING)
     if choices[0].get("finish_reason") == "abort":
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param="choices.finish_reason is abort")
+        raise handoff_error("choices.finish_reason", Problem.ABORTED)
 
 
-class SglangAdapter:
-    """Bootstrap port from the settings (SGLang's default 8998 unless configured)."""
+class SglangAdapter(ConcurrentAdapter):
+    """Bootstrap port from the settings (SGLang's default 8998 unless configured), or with
+    ``bootstrap_port=None`` read from each prefill worker's /server_info (cached by the processor)."""
 
     name: ClassVar[str] = "sglang"
-    flow: ClassVar[Flow] = Flow.CONCURRENT
-    server_info_path: ClassVar[str | None] = None
-    protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
+    reserved_fields: ClassVar[tuple[ReservedField, ...]] = tuple(ReservedField(name) for name in BOOTSTRAP_FIELDS)
 
-    def __init__(self, protocol: str = PROTOCOL_0_5_23, bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
+    def __init__(self, protocol: str = PROTOCOL_0_5_23, bootstrap_port: int | None = DEFAULT_BOOTSTRAP_PORT,
+                 prefill_deadline: float = DEFAULT_PREFILL_DEADLINE) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(protocol)
-        self._protocol = protocol
+        super().__init__(protocol)
         self._bootstrap_port = bootstrap_port
+        self.server_info_path = SERVER_INFO_PATH if bootstrap_port is None else None
+        self.prefill_deadline = prefill_deadline
 
-    @property
-    def protocol(self) -> str:
-        return self._protocol
+    def _port(self, plan: PlanInput) -> int:
+        if self._bootstrap_port is not None:
+            return self._bootstrap_port
+        if plan.server_info is None:
+            raise AssertionError("the processor passes /server_info to a discovering adapter")
+        return bootstrap_port_from(plan.server_info)
 
-    def _port(self, server_info: ServerInfo | None) -> int:
-        return self._bootstrap_port
+    def plan(self, request: ClientRequest, plan: PlanInput) -> ConcurrentPlan:
+        bootstrap = bootstrap_members(plan.target.host, self._port(plan), room_from_nonce(plan.nonce))
+        return ConcurrentPlan(prefill_body(request, bootstrap), DecodeWith(decode_body(request, bootstrap)))
 
-    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int, server_info: ServerInfo | None) -> Plan:
-        refuse_client_bootstrap(request)
-        bootstrap = bootstrap_members(target.host, self._port(server_info), room_from_nonce(nonce))
-        return Plan(prefill_body=prefill_body(request, bootstrap), decode_body=decode_body(request, bootstrap))
-
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
-        raise AssertionError("a concurrent adapter decides nothing after the prefill reply")
-
-    def check_background(self, reply: PrefillReply) -> None:
+    def check_prefill(self, reply: PrefillReply) -> None:
         check_prefill_reply(reply)
 
 
-class SglangDiscoveringAdapter(SglangAdapter):
-    """Bootstrap port read from each prefill worker's /server_info (cached per endpoint by the processor)."""
-
-    server_info_path: ClassVar[str | None] = SERVER_INFO_PATH
-
-    def _port(self, server_info: ServerInfo | None) -> int:
-        if server_info is None:
-            raise AssertionError("the processor passes /server_info to a discovering adapter")
-        return bootstrap_port_from(server_info)
+def _bootstrap_port(text: str) -> int | Literal["discover"]:
+    value = text.strip()
+    if value == "discover":
+        return "discover"
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 65535:
+        raise ValueError("expected a port 1-65535 or discover")
+    return int(value)
 
 
-def build(protocol: str, settings: Settings) -> SglangAdapter:
-    """The registry factory: discovery when the setting says so, else the configured port."""
-    port: int | Literal["discover"] = settings.sglang_bootstrap_port
-    if port == "discover":
-        return SglangDiscoveringAdapter(protocol)
-    return SglangAdapter(protocol, int(port))
+def build(protocol: str, options: Options) -> SglangAdapter:
+    port = options.get(BOOTSTRAP_PORT_SETTING, DEFAULT_BOOTSTRAP_PORT)
+    return SglangAdapter(protocol, None if port == "discover" else int(port),
+                         float(options.get(PREFILL_DEADLINE_SETTING, DEFAULT_PREFILL_DEADLINE)))
+
+
+ENGINE = Engine(
+    name=SglangAdapter.name, engine="sglang", pins=PROTOCOLS, flow=Flow.CONCURRENT, build=build,
+    emulator="extproc.emulator.sglang:SglangEmulator",
+    settings=(SettingSpec(BOOTSTRAP_PORT_SETTING, _bootstrap_port,
+                          "sglang adapter: the prefill workers' bootstrap port (1-65535), or discover (read "
+                          "disaggregation_bootstrap_port from each prefill worker's /server_info, cached)",
+                          default=DEFAULT_BOOTSTRAP_PORT),
+              SettingSpec(PREFILL_DEADLINE_SETTING, positive_duration,
+                          "sglang adapter: total deadline of the background prefill request (it answers only after "
+                          "decode pulled the KV); above SGLang's own 300 s bootstrap and waiting timeouts",
+                          default=DEFAULT_PREFILL_DEADLINE)),
+    # The demo's prefill emulator binds any free bootstrap port: the server discovers it.
+    demo=Demo(env={"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"}),
+    summary="SGLang 0.5.23 PD (--disaggregation-mode): decode starts at once with bootstrap_host/port/room; "
+            "the prefill request runs alongside and is drained",
+)

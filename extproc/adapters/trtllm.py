@@ -1,52 +1,86 @@
-"""TensorRT-LLM context-first disaggregated serving over trtllm-serve's OpenAI API (pin below).
+"""TensorRT-LLM context-first disaggregated serving over trtllm-serve's OpenAI API (pins below).
 
     client request ──► context-only request ──► context worker (prefill)
                          disaggregated_params {request_type "context_only", disagg_request_id},
-                         max_tokens 1, stream false
+                         the client's token-limit key set to 1, stream false
                    ◄── choices[0].disaggregated_params + prompt_token_ids
     finish_reason other than "length"/"not_finished"? ──► the client gets the context answer (no decode)
     otherwise ──► client request + those params (request_type "generation_only") + prompt_token_ids
-                  ──► local generation worker (decode), which pulls the KV from the context worker
+                  [+ x-trtllm-disagg-auth, on a signing pin] ──► local generation worker (decode),
+                  which pulls the KV from the context worker
 
-What trtllm-serve's own disaggregated server does, from its source (PROTOCOL.md, "trtllm"):
+What trtllm-serve's own disaggregated server does, from its source (PROTOCOL.md §4c, with commits):
 ``_get_ctx_request``/``_verify_ctx_response``/``_get_gen_request``/``_need_gen`` in
-``tensorrt_llm/serve/openai_disagg_service.py``; field types from ``DisaggregatedParams`` in
-``tensorrt_llm/serve/openai_protocol.py``.
+``tensorrt_llm/serve/openai_disagg_service.py``; field names and types from ``ChatCompletionRequest``,
+``CompletionRequest`` and ``DisaggregatedParams`` in ``tensorrt_llm/serve/openai_protocol.py``
+(``extra="forbid"``: an unknown field, or a second name for one field, is a 400); the signature from
+``tensorrt_llm/serve/disagg_auth.py`` (``build_internal_disagg_auth_headers``).
 
-Deliberate limits: no "generation first" schedule and no conditional disaggregation; builds that
-require the internal disaggregation HMAC (``x-trtllm-disagg-auth``, serve/disagg_auth.py) are not
-supported by this pin; a client-supplied ``disaggregated_params`` is refused; neither leg is
-retried. The params are forwarded as the context worker wrote them, only ``request_type`` changes.
+Deliberate limits: no "generation first" schedule and no conditional disaggregation; a
+client-supplied ``disaggregated_params`` (or ``x-trtllm-disagg-auth``) is refused (stripped);
+neither leg is retried. The params are forwarded as the context worker wrote them, only
+``request_type`` changes.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Mapping
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import orjson
 
 from extproc import jsonspan
-from extproc.adapters.base import AnswerDirectly, Decision, DecodeWith, Flow, Plan, PrefillReply, ServerInfo
-from extproc.adapters.prefill_json import member_value, parse_prefill_object
-from extproc.errors import Code, PdError
+from extproc.adapters.base import (
+    AnswerDirectly,
+    Decision,
+    DecodeWith,
+    Demo,
+    Engine,
+    Flow,
+    Options,
+    PlanInput,
+    PrefillReply,
+    SequentialAdapter,
+)
+from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.errors import Problem
+from extproc.fields import (
+    FieldRule,
+    FieldRules,
+    ReservedField,
+    equals,
+    handoff_error,
+    int_at_least,
+    is_int,
+    list_of,
+    non_empty_str,
+    set_members,
+)
 from extproc.openai_request import ClientRequest, Endpoint
-from extproc.prefill_target import PrefillTarget
+from extproc.settings_spec import SettingSpec, existing_file, read_secret_file
 
-if TYPE_CHECKING:
-    from extproc.config import Settings
-
-PROTOCOL_1_3 = "trtllm-1.3-context-first"
-PROTOCOLS = (PROTOCOL_1_3,)
+# Builds before TensorRT-LLM PR #16002 (no request authentication) and builds with it.
+PROTOCOL_RC23 = "trtllm-1.3.0rc23-context-first"
+PROTOCOL_RC24 = "trtllm-1.3.0rc24-context-first"
+PROTOCOLS = (PROTOCOL_RC24, PROTOCOL_RC23)
+SIGNING_PINS = frozenset({PROTOCOL_RC24})
 KEY = "disaggregated_params"
+AUTH_HEADER = "x-trtllm-disagg-auth"  # disagg_auth.py, INTERNAL_DISAGG_AUTH_HEADER
+AUTH_KEY_SETTING = "trtllm_auth_key_file"
 # trtllm-serve's global disagg request ids live in [2**40, 2**63); local ids are below 2**40
 # (llmapi/disagg_utils.py), so ours can never collide with a worker's own request ids.
 DISAGG_ID_MIN = 1 << 40
 DISAGG_ID_LIMIT = 1 << 63
 NEEDS_GENERATION = ("length", "not_finished")  # _need_gen: any other finish_reason ends the request
+# The request models' token limits: chat declares one field, max_completion_tokens, with the validation
+# alias max_tokens (populate_by_name: either name, never both); completions know max_tokens only.
+TOKEN_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
 _ONE = b"1"
 _FALSE = b"false"
 _GENERATION_ONLY = b'"generation_only"'
@@ -54,22 +88,6 @@ _GENERATION_ONLY = b'"generation_only"'
 
 def disagg_request_id(nonce: int) -> int:
     return DISAGG_ID_MIN + nonce % (DISAGG_ID_LIMIT - DISAGG_ID_MIN)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_at_least_zero(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_int_at_least_zero(t) for t in value)
-
-
-def _null_or(check: Callable[[object], bool]) -> Callable[[object], bool]:
-    return lambda value: value is None or check(value)
 
 
 def _base64(value: object) -> bool:
@@ -82,72 +100,47 @@ def _base64(value: object) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class FieldRule:
-    check: Callable[[object], bool]
-    required: bool
-
+_TOKEN_IDS = list_of(int_at_least(0), non_empty=True)
 
 # choices[0].disaggregated_params as the pinned context worker writes it. Required: what the
 # disaggregated server checks (ctx_request_id, disagg_request_id) and what a generation-only request
-# cannot start without (request_type, first_gen_tokens). Other fields are forwarded verbatim.
-RULES: Mapping[str, FieldRule] = {
-    "request_type": FieldRule(lambda v: v == "context_only", required=True),
-    "ctx_request_id": FieldRule(_int_at_least_zero, required=True),
-    "disagg_request_id": FieldRule(_int_at_least_zero, required=True),
-    "first_gen_tokens": FieldRule(_token_ids, required=True),
-    "encoded_opaque_state": FieldRule(_null_or(_base64), required=False),
-    "draft_tokens": FieldRule(_null_or(lambda v: isinstance(v, list) and all(_int_at_least_zero(t) for t in v)),
-                              required=False),
-    "ctx_dp_rank": FieldRule(_null_or(_int_at_least_zero), required=False),
-    "ctx_info_endpoint": FieldRule(_null_or(lambda v: isinstance(v, str) and v != ""), required=False),
-    "schedule_style": FieldRule(_null_or(lambda v: _is_int(v) and v in (0, 1)), required=False),
-}
-
-
-def _invalid(field: str, problem: str = "is invalid") -> PdError:
-    return PdError(Code.INVALID_PREFILL_HANDOFF, param=f"{field} {problem}")
-
-
-def refuse_client_params(request: ClientRequest) -> None:
-    if request.body.get(KEY) is not None:
-        raise PdError(Code.INVALID_REQUEST_FIELD, param=KEY)
+# cannot start without (request_type, first_gen_tokens). Other fields are forwarded verbatim. The
+# fields are pydantic Optionals, so null is "not set".
+RULES = FieldRules(KEY, {
+    "request_type": FieldRule(equals("context_only"), required=True),
+    "ctx_request_id": FieldRule(int_at_least(0), required=True),
+    "disagg_request_id": FieldRule(int_at_least(0), required=True),
+    "first_gen_tokens": FieldRule(_TOKEN_IDS, required=True),
+    "encoded_opaque_state": FieldRule(_base64, required=False),
+    "draft_tokens": FieldRule(list_of(int_at_least(0)), required=False),
+    "ctx_dp_rank": FieldRule(int_at_least(0), required=False),
+    "ctx_info_endpoint": FieldRule(non_empty_str, required=False),
+    "schedule_style": FieldRule(lambda v: is_int(v) and v in (0, 1), required=False),
+}, null_is_absent=True)
 
 
 def context_body(request: ClientRequest, nonce: int) -> bytes:
-    """The client's members verbatim except: the context-only params, one token, one JSON response."""
+    """The client's members verbatim except: the context-only params, one JSON response, and one token
+    under the token-limit key the client used (max_tokens when it used none; every name it used, so
+    a body the models refuse is refused by the context worker, not silently repaired)."""
     params = orjson.dumps({"request_type": "context_only", "disagg_request_id": disagg_request_id(nonce)})
-    replace: dict[str, bytes | None] = {KEY: params, "stream": _FALSE, "stream_options": None, "max_tokens": _ONE}
     present = {m.name for m in request.members}
-    append = [(name, value) for name, value in (("stream", _FALSE), ("max_tokens", _ONE), (KEY, params))
-              if name not in present]
-    if "max_completion_tokens" in present:
-        replace["max_completion_tokens"] = _ONE
-    return jsonspan.rebuild(request.raw, request.members, replace, append)
-
-
-def validate_params(params: object) -> None:
-    if params is None:
-        raise _invalid(KEY, "is missing")
-    if not isinstance(params, dict):
-        raise _invalid(KEY, "is not an object")
-    for name, rule in RULES.items():
-        value = params.get(name)
-        if value is None and rule.required:
-            raise _invalid(f"{KEY}.{name}", "is missing")
-        if name in params and not rule.check(value):
-            raise _invalid(f"{KEY}.{name}")
+    limits = [name for name in TOKEN_LIMIT_KEYS if name in present] or ["max_tokens"]
+    values: dict[str, bytes | None] = {KEY: params, "stream": _FALSE, "stream_options": None}
+    values.update((name, _ONE) for name in limits)
+    return set_members(request.raw, request.members, values)
 
 
 def _prompt_token_ids(value: object) -> bool:
     """list[int], or a completions batch of exactly one such list (CompletionResponse allows both)."""
-    return _token_ids(value) or (isinstance(value, list) and len(value) == 1 and _token_ids(value[0]))
+    return _TOKEN_IDS(value) or (isinstance(value, list) and len(value) == 1 and _TOKEN_IDS(value[0]))
 
 
 @dataclass(frozen=True, slots=True)
 class ContextResult:
     parsed: dict[str, Any]
     raw: bytes  # the whole context response
+    spans: list[jsonspan.Member]
     choice_raw: bytes  # choices[0], as written
     finished: bool
 
@@ -157,11 +150,11 @@ def read_context_reply(reply: PrefillReply) -> ContextResult:
     parsed, spans = parse_prefill_object(reply)
     choices = parsed.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise _invalid("choices")
-    choices_raw = member_value(reply.body, spans, "choices")
+        raise handoff_error("choices", Problem.INVALID)
+    choices_raw = jsonspan.member_value(reply.body, spans, "choices")
     assert choices_raw is not None
     finished = choices[0].get("finish_reason") not in NEEDS_GENERATION
-    return ContextResult(parsed, reply.body, _only_element(choices_raw), finished)
+    return ContextResult(parsed, reply.body, spans, _only_element(choices_raw), finished)
 
 
 def _only_element(array_raw: bytes) -> bytes:
@@ -171,22 +164,38 @@ def _only_element(array_raw: bytes) -> bytes:
 
 def generation_params(choice_raw: bytes) -> bytes:
     """The context's params, byte for byte, with request_type "generation_only"."""
-    params_raw = member_value(choice_raw, jsonspan.members(choice_raw), KEY)
+    params_raw = jsonspan.member_value(choice_raw, jsonspan.members(choice_raw), KEY)
     assert params_raw is not None
-    spans = jsonspan.members(params_raw)
-    if len({m.name for m in spans}) != len(spans):  # parsers disagree on which duplicate wins
-        raise _invalid(KEY, "has a duplicate field")
+    spans = jsonspan.unique_members(params_raw)
+    if spans is None:
+        raise handoff_error(KEY, Problem.DUPLICATE_FIELD)
     return jsonspan.rebuild(params_raw, spans, {"request_type": _GENERATION_ONLY})
 
 
 def generation_body(request: ClientRequest, params: bytes, prompt_ids: bytes) -> bytes:
     """The client's request plus the params and the context's prompt token ids (the generation worker
-    then does not tokenize again): ``prompt`` on completions, ``prompt_token_ids`` on chat."""
+    then does not tokenize again): ``prompt`` on completions, ``prompt_token_ids`` on chat. The
+    client's own token-limit key and value are kept."""
     prompt_key = "prompt" if request.endpoint is Endpoint.COMPLETIONS else "prompt_token_ids"
-    present = {m.name for m in request.members}
-    replace = {name: value for name, value in ((KEY, params), (prompt_key, prompt_ids)) if name in present}
-    append = [(name, value) for name, value in ((prompt_key, prompt_ids), (KEY, params)) if name not in present]
-    return jsonspan.rebuild(request.raw, request.members, replace, append)
+    return set_members(request.raw, request.members, {prompt_key: prompt_ids, KEY: params})
+
+
+def signature(key: bytes, params: Mapping[str, Any]) -> str:
+    """The x-trtllm-disagg-auth value for a generation request's params (disagg_auth.py at the rc24
+    pin, ``_auth_payload``/``build_internal_disagg_auth_headers``): HMAC-SHA256 with the shared key over
+    the canonical JSON (sorted keys, no spaces, ASCII escapes) of the two protected fields, a list
+    endpoint reduced to its first element; lower-case hex behind ``sha256=``."""
+    endpoint = params.get("ctx_info_endpoint")
+    if isinstance(endpoint, list):
+        endpoint = endpoint[0] if endpoint else None
+    payload = {"ctx_info_endpoint": endpoint, "encoded_opaque_state": params.get("encoded_opaque_state")}
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return "sha256=" + hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def needs_signature(params: Mapping[str, Any]) -> bool:
+    """request_requires_internal_disagg_auth: either protected field is set."""
+    return params.get("encoded_opaque_state") is not None or params.get("ctx_info_endpoint") is not None
 
 
 def _answer_choice(choice: dict[str, Any]) -> dict[str, Any]:
@@ -226,41 +235,64 @@ def direct_answer_stream(request: ClientRequest, parsed: dict[str, Any], choice:
     return b"".join(b"data: " + orjson.dumps(event) + b"\n\n" for event in events) + b"data: [DONE]\n\n"
 
 
-class TrtllmAdapter:
+class TrtllmAdapter(SequentialAdapter):
     name: ClassVar[str] = "trtllm"
-    flow: ClassVar[Flow] = Flow.SEQUENTIAL
-    server_info_path: ClassVar[str | None] = None
-    protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
+    reserved_fields: ClassVar[tuple[ReservedField, ...]] = (ReservedField(KEY),)
+    reserved_headers = frozenset({AUTH_HEADER})
 
-    def __init__(self, protocol: str = PROTOCOL_1_3) -> None:
+    def __init__(self, protocol: str = PROTOCOL_RC23, auth_key: bytes | None = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(protocol)
-        self._protocol = protocol
+        if (protocol in SIGNING_PINS) != (auth_key is not None):
+            raise ValueError("a signing pin needs a key, and only a signing pin takes one")
+        super().__init__(protocol)
+        self._auth_key = auth_key
 
-    @property
-    def protocol(self) -> str:
-        return self._protocol
-
-    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int, server_info: ServerInfo | None) -> Plan:
-        refuse_client_params(request)
-        return Plan(prefill_body=context_body(request, nonce))
+    def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
+        return context_body(request, plan.nonce)
 
     def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
         context = read_context_reply(reply)
         if context.finished:
             return direct_answer(request, context)
-        validate_params(context.parsed["choices"][0].get(KEY))
+        params = context.parsed["choices"][0].get(KEY)
+        RULES.check(params)
         if not _prompt_token_ids(context.parsed.get("prompt_token_ids")):
-            raise _invalid("prompt_token_ids", "is missing" if "prompt_token_ids" not in context.parsed else
-                           "is invalid")
-        spans = jsonspan.members(context.raw)
-        prompt_ids = member_value(context.raw, spans, "prompt_token_ids")
+            raise handoff_error("prompt_token_ids", Problem.MISSING if "prompt_token_ids" not in context.parsed
+                                else Problem.INVALID)
+        prompt_ids = jsonspan.member_value(context.raw, context.spans, "prompt_token_ids")
         assert prompt_ids is not None
-        return DecodeWith(generation_body(request, generation_params(context.choice_raw), prompt_ids))
+        body = generation_body(request, generation_params(context.choice_raw), prompt_ids)
+        headers: tuple[tuple[str, bytes], ...] = ()
+        if self._auth_key is not None and needs_signature(params):
+            headers = ((AUTH_HEADER, signature(self._auth_key, params).encode()),)
+        return DecodeWith(body, headers)
 
-    def check_background(self, reply: PrefillReply) -> None:
-        raise AssertionError("a sequential adapter has no background prefill")
+
+def build(protocol: str, options: Options) -> TrtllmAdapter:
+    path = options.get(AUTH_KEY_SETTING) or ""
+    return TrtllmAdapter(protocol, read_secret_file(path) if protocol in SIGNING_PINS else None)
 
 
-def build(protocol: str, settings: Settings) -> TrtllmAdapter:
-    return TrtllmAdapter(protocol)
+def option_problems(protocol: str, options: Options) -> list[str]:
+    path = options.get(AUTH_KEY_SETTING) or ""
+    if protocol in SIGNING_PINS and not path:
+        return [f"protocol {protocol} signs generation requests (x-trtllm-disagg-auth): set "
+                f"PD_EXTPROC_TRTLLM_AUTH_KEY_FILE to a file holding the workers' internal_request_auth_key"]
+    if protocol not in SIGNING_PINS and path:
+        return [f"PD_EXTPROC_TRTLLM_AUTH_KEY_FILE is set but protocol {protocol} does not sign requests"]
+    return []
+
+
+ENGINE = Engine(
+    name=TrtllmAdapter.name, engine="trtllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    emulator="extproc.emulator.trtllm:TrtllmEmulator",
+    settings=(SettingSpec(AUTH_KEY_SETTING, existing_file,
+                          "trtllm adapter, signing pins: file holding the workers' internal_request_auth_key "
+                          "(the key itself is never logged or shown)", default=""),),
+    option_problems=option_problems,
+    # The demo signs generation requests: one random key for the server and both emulated workers.
+    demo=Demo(key_setting="PD_EXTPROC_TRTLLM_AUTH_KEY_FILE", key_flag="--auth-key-file"),
+    summary="TensorRT-LLM trtllm-serve, context-first: context_only request, validate disaggregated_params, "
+            "then generation_only decode",
+)

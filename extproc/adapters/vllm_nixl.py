@@ -5,25 +5,33 @@
     validate the handoff ──► client request + handoff verbatim ──► local decode worker (kv_consumer)
 
 The field contract, the fixtures and the upgrade checklist are in PROTOCOL.md ("vllm_nixl").
-Deliberate limits, each enforced where noted below: neither leg is retried; ``n`` other than 1 and
-client-supplied ``kv_transfer_params`` are refused before any leg (openai_request.py); the handoff's
-remote_host/remote_port are connector side-channel data and never an HTTP destination.
+Deliberate limits: neither leg is retried; ``n`` other than 1 is refused before any leg
+(openai_request.py) and so is a client-supplied ``kv_transfer_params`` (a reserved field); the
+handoff's remote_host/remote_port are connector side-channel data and never an HTTP destination.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import orjson
 
 from extproc import jsonspan
-from extproc.adapters.base import DecodeWith, Flow, Plan, PrefillReply, ServerInfo
-from extproc.adapters.prefill_json import member_value, parse_prefill_object
-from extproc.errors import Code, PdError
+from extproc.adapters.base import DecodeWith, Engine, Flow, Options, PlanInput, PrefillReply, SequentialAdapter
+from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.fields import (
+    FieldRule,
+    FieldRules,
+    ReservedField,
+    equals,
+    int_at_least,
+    is_int,
+    is_port,
+    non_empty_str,
+    set_members,
+)
 from extproc.openai_request import ClientRequest, Endpoint
-from extproc.prefill_target import PrefillTarget
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
 PROTOCOL_0_33 = "vllm-0.33-nixl-pull"
@@ -45,39 +53,8 @@ _FALSE = b"false"
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_true(value: object) -> bool:
-    return value is True
-
-
-def _is_false(value: object) -> bool:
-    return value is False
-
-
-def _non_empty_str(value: object) -> bool:
-    return isinstance(value, str) and value != ""
-
-
-def _port(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
-
-
-def _int_at_least(minimum: int) -> Callable[[object], bool]:
-    def check(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-    return check
-
-
 def _null_or_number(value: object) -> bool:
     return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
-
-
-def _pull_mode(value: object) -> bool:
-    return value == "pull"
 
 
 def _block_groups(value: object) -> bool:
@@ -86,51 +63,37 @@ def _block_groups(value: object) -> bool:
     not: vLLM's decode scheduler asserts on a falsy remote_block_ids with a non-empty prompt."""
     if not isinstance(value, list) or not value:
         return False
-    return all(isinstance(group, list) and all(_is_int(b) and b >= 0 for b in group) for group in value)
+    return all(isinstance(group, list) and all(is_int(b) and b >= 0 for b in group) for group in value)
 
 
-@dataclass(frozen=True, slots=True)
-class FieldRule:
-    check: Callable[[object], bool]
-    required: bool
-
-
+# The consumer reads required fields with [] (nixl/metadata.py, add_new_req_to_recv): null is not absent.
 _RULES_0_32: Mapping[str, FieldRule] = {
-    "do_remote_prefill": FieldRule(_is_true, required=True),
-    "do_remote_decode": FieldRule(_is_false, required=True),
+    "do_remote_prefill": FieldRule(equals(True), required=True),
+    "do_remote_decode": FieldRule(equals(False), required=True),
     "remote_block_ids": FieldRule(_block_groups, required=True),
-    "remote_engine_id": FieldRule(_non_empty_str, required=True),
-    "remote_request_id": FieldRule(_non_empty_str, required=True),
-    "remote_host": FieldRule(_non_empty_str, required=True),
-    "remote_port": FieldRule(_port, required=True),
-    "tp_size": FieldRule(_int_at_least(1), required=True),
-    "dcp_size": FieldRule(_int_at_least(1), required=False),
-    "pp_size": FieldRule(_int_at_least(1), required=False),
-    "remote_num_tokens": FieldRule(_int_at_least(0), required=False),
+    "remote_engine_id": FieldRule(non_empty_str, required=True),
+    "remote_request_id": FieldRule(non_empty_str, required=True),
+    "remote_host": FieldRule(non_empty_str, required=True),
+    "remote_port": FieldRule(is_port, required=True),
+    "tp_size": FieldRule(int_at_least(1), required=True),
+    "dcp_size": FieldRule(int_at_least(1), required=False),
+    "pp_size": FieldRule(int_at_least(1), required=False),
+    "remote_num_tokens": FieldRule(int_at_least(0), required=False),
     "remote_blocks_expiry_time": FieldRule(_null_or_number, required=False),
-    "transfer_mode": FieldRule(_pull_mode, required=False),
-    "remote_prefill_cached_tokens": FieldRule(_int_at_least(0), required=False),
+    "transfer_mode": FieldRule(equals("pull"), required=False),
+    "remote_prefill_cached_tokens": FieldRule(int_at_least(0), required=False),
 }
-_RULES: Mapping[str, Mapping[str, FieldRule]] = {
-    PROTOCOL_0_32: _RULES_0_32,
-    PROTOCOL_0_33: {**_RULES_0_32, "remote_registration_generation": FieldRule(_int_at_least(0), False)},
+RULES: Mapping[str, FieldRules] = {
+    PROTOCOL_0_32: FieldRules(KEY, _RULES_0_32),
+    PROTOCOL_0_33: FieldRules(KEY, {**_RULES_0_32, "remote_registration_generation": FieldRule(int_at_least(0),
+                                                                                               False)}),
 }
 
 
 def validate_handoff(params: object, protocol: str) -> None:
     """Raise PdError(invalid_prefill_handoff) unless ``params`` is a handoff a decode worker can use.
     The error names the first offending field, always a name from the rule table."""
-    if params is None:
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param=KEY + " is missing")
-    if not isinstance(params, dict):
-        raise PdError(Code.INVALID_PREFILL_HANDOFF, param=KEY + " is not an object")
-    for name, rule in _RULES[protocol].items():
-        if name not in params:
-            if rule.required:
-                raise PdError(Code.INVALID_PREFILL_HANDOFF, param=f"{KEY}.{name} is missing")
-            continue
-        if not rule.check(params[name]):
-            raise PdError(Code.INVALID_PREFILL_HANDOFF, param=f"{KEY}.{name} is invalid")
+    RULES[protocol].check(params)
 
 
 def prefill_body(request: ClientRequest) -> bytes:
@@ -150,10 +113,9 @@ def prefill_body(request: ClientRequest) -> bytes:
 
 
 def decode_body(request: ClientRequest, handoff_raw: bytes) -> bytes:
-    """The client's request verbatim with the prefill worker's handoff bytes as kv_transfer_params."""
-    if any(m.name == KEY for m in request.members):  # a tolerated null or {} from the client
-        return jsonspan.rebuild(request.raw, request.members, {KEY: handoff_raw})
-    return jsonspan.rebuild(request.raw, request.members, {}, [(KEY, handoff_raw)])
+    """The client's request verbatim with the prefill worker's handoff bytes as kv_transfer_params
+    (a tolerated null or {} from the client is replaced in place)."""
+    return set_members(request.raw, request.members, {KEY: handoff_raw})
 
 
 def handoff_from_reply(reply: PrefillReply, protocol: str) -> bytes:
@@ -161,31 +123,34 @@ def handoff_from_reply(reply: PrefillReply, protocol: str) -> bytes:
     parsed, spans = parse_prefill_object(reply)
     params: Any = parsed.get(KEY)
     validate_handoff(params, protocol)
-    raw = member_value(reply.body, spans, KEY)
+    raw = jsonspan.member_value(reply.body, spans, KEY)
     assert raw is not None
     return raw
 
 
-class VllmNixlAdapter:
+class VllmNixlAdapter(SequentialAdapter):
     name: ClassVar[str] = "vllm_nixl"
-    flow: ClassVar[Flow] = Flow.SEQUENTIAL
-    server_info_path: ClassVar[str | None] = None
-    protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
+    # Null and {} are tolerated as absent (the reference design's C08): some SDKs send an empty one.
+    reserved_fields: ClassVar[tuple[ReservedField, ...]] = (ReservedField(KEY, (None, {})),)
 
     def __init__(self, protocol: str = PROTOCOL_0_32) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(protocol)
-        self._protocol = protocol
+        super().__init__(protocol)
 
-    @property
-    def protocol(self) -> str:
-        return self._protocol
-
-    def plan(self, request: ClientRequest, target: PrefillTarget, nonce: int, server_info: ServerInfo | None) -> Plan:
-        return Plan(prefill_body=prefill_body(request))
+    def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
+        return prefill_body(request)
 
     def decide(self, request: ClientRequest, reply: PrefillReply) -> DecodeWith:
-        return DecodeWith(decode_body(request, handoff_from_reply(reply, self._protocol)))
+        return DecodeWith(decode_body(request, handoff_from_reply(reply, self.protocol)))
 
-    def check_background(self, reply: PrefillReply) -> None:
-        raise AssertionError("a sequential adapter has no background prefill")
+
+def build(protocol: str, options: Options) -> VllmNixlAdapter:
+    return VllmNixlAdapter(protocol)
+
+
+ENGINE = Engine(
+    name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    emulator="extproc.emulator.vllm:VllmEmulator",
+    summary="vLLM 0.32/0.33, NixlConnector (pull): prefill, validate kv_transfer_params, then decode",
+)

@@ -1,23 +1,45 @@
-"""Emulated inference engines for tests, the demo and the benchmark (never used in production)."""
+"""Emulated inference engines for tests, the demo and the benchmark (never used in production).
+
+Each engine names its emulator in its ``Engine.emulator`` (``module:Class``). The class provides
+``add_arguments(parser)`` for its own ``pd-extproc emulate`` options, ``from_args(args)`` to build
+itself, and the ``Emulator`` methods below.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import os
+import importlib
 import signal
 import ssl
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from extproc import ready
 from extproc.units import Address
 
-if TYPE_CHECKING:
-    from extproc.emulator.sglang import SglangEmulator
-    from extproc.emulator.trtllm import TrtllmEmulator
-    from extproc.emulator.vllm import VllmEmulator
-
-ENGINES = ("vllm", "sglang", "trtllm")
 ROLES = ("prefill", "decode", "both")
+
+
+class Emulator(Protocol):
+    side_port: int  # vLLM's NIXL side channel, SGLang's bootstrap server, TensorRT-LLM's KV registry; 0 if none
+
+    async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+def emulator_class(engine: str) -> Any:
+    """The emulator class an engine declares (imported only when asked for)."""
+    from extproc.adapters import BY_ENGINE
+
+    module_name, _, class_name = BY_ENGINE[engine].emulator.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, engine: str) -> None:
+    group = parser.add_argument_group(f"{engine} emulator")
+    emulator_class(engine).add_arguments(group)
 
 
 def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLContext | None:
@@ -32,18 +54,14 @@ def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ssl.SSLCon
     return context
 
 
-async def run(engine: str, role: str, listen: Address, side_listen: Address, model: str,
-              worker_id: str, block_size: int, lease_seconds: float, tls: ssl.SSLContext | None = None,
-              kv_timeout: float = 300.0) -> None:
-    """Serve until SIGTERM/SIGINT; print ``ready http(s)://HOST:PORT side_channel=N`` once listening.
-    The side channel is vLLM's NIXL side channel, SGLang's bootstrap server, or TensorRT-LLM's KV
-    registry (``ctx_info_endpoint``); 0 on a worker that has none."""
-    emulator = _build(engine, role, side_listen.host, model, worker_id or f"{role}-{os.getpid()}", block_size,
-                      lease_seconds, kv_timeout)
+async def run(engine: str, args: argparse.Namespace, listen: Address, side_listen: Address,
+              tls: ssl.SSLContext | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; print ``ready url=http(s)://HOST:PORT side_channel=N`` once listening."""
+    emulator: Emulator = emulator_class(engine).from_args(args)
     port = await emulator.start(listen.host, listen.port, side_listen.port, tls)
     host = f"[{listen.host}]" if ":" in listen.host else listen.host
     scheme = "https" if tls is not None else "http"
-    sys.stdout.write(f"ready {scheme}://{host}:{port} side_channel={emulator.side_port}\n")
+    sys.stdout.write(ready.format_line(url=f"{scheme}://{host}:{port}", side_channel=emulator.side_port) + "\n")
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -51,16 +69,3 @@ async def run(engine: str, role: str, listen: Address, side_listen: Address, mod
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await emulator.close()
-
-
-def _build(engine: str, role: str, side_host: str, model: str, worker_id: str, block_size: int,
-           lease_seconds: float, kv_timeout: float) -> VllmEmulator | SglangEmulator | TrtllmEmulator:
-    from extproc.emulator.sglang import SglangEmulator
-    from extproc.emulator.trtllm import TrtllmEmulator
-    from extproc.emulator.vllm import VllmEmulator
-
-    if engine == "sglang":
-        return SglangEmulator(role, model, worker_id, side_host, kv_timeout)
-    if engine == "trtllm":
-        return TrtllmEmulator(role, model, worker_id, side_host, lease_seconds)
-    return VllmEmulator(role, model, worker_id, side_host, block_size, lease_seconds)

@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 
 from extproc.emulator import text
-from extproc.httpserver import RawResponse, Reply, Response
+from extproc.emulator.http import RawResponse, Reply
+from extproc.httpserver import Response
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 WORKER_HEADER = "x-emulator-worker"

@@ -34,7 +34,9 @@ import orjson
 
 from extproc.emulator import common, text
 from extproc.emulator.control import Control, Received
-from extproc.httpserver import HttpServer, Reply, Request, Response, StreamResponse
+from extproc.emulator.http import EmulatorHttpServer, Reply, StreamResponse
+from extproc.httpserver import Request, Response
+from extproc.units import parse_duration
 
 SGLANG_VERSION = "0.5.23"
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -101,9 +103,18 @@ class SglangEmulator:
         self.server_info_overrides: dict[str, Any] = {}
         self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
                                 "version": SGLANG_VERSION})
-        self.http = HttpServer(self.handle, on_disconnect=self.control.disconnected)
-        self.bootstrap = HttpServer(self.handle_bootstrap)
+        self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
+        self.bootstrap = EmulatorHttpServer(self.handle_bootstrap)
         self._client: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def add_arguments(group: Any) -> None:
+        group.add_argument("--kv-timeout", default="300s",
+                           help="how long prefill waits for decode's claim and decode for prefill's room")
+
+    @classmethod
+    def from_args(cls, args: Any) -> SglangEmulator:
+        return cls(args.role, args.model, args.worker_id, args.side_channel.host, parse_duration(args.kv_timeout))
 
     async def start(self, host: str, port: int, bootstrap_port: int, tls: ssl.SSLContext | None = None) -> int:
         self._client = common.client_session(self.kv_timeout + 10)

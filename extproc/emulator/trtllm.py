@@ -21,6 +21,8 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import hmac
+import json
 import re
 import secrets
 import ssl
@@ -34,28 +36,47 @@ import orjson
 
 from extproc.emulator import common, text
 from extproc.emulator.control import Control, Received
-from extproc.httpserver import HttpServer, RawResponse, Reply, Request, Response, StreamResponse
+from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
+from extproc.httpserver import Request, Response
+from extproc.settings_spec import read_secret_file
+from extproc.units import parse_duration
 
 TRTLLM_VERSION = "1.3.0"
 DEFAULT_MAX_TOKENS = 16
 EOS_TOKEN = 2
 VOCAB = 32000
 _WORDS = re.compile(r"\w+|[^\w\s]")
-# The pinned request models (tensorrt_llm/serve/openai_protocol.py); anything else is refused.
-DISAGG_FIELDS = frozenset({"request_type", "first_gen_tokens", "ctx_request_id", "encoded_opaque_state",
-                           "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint",
-                           "schedule_style"})
-_SAMPLING = frozenset({
-    "model", "frequency_penalty", "logit_bias", "logprobs", "n", "presence_penalty", "seed", "stop", "stream",
-    "stream_options", "temperature", "top_p", "user", "lora_request", "prompt_ignore_length", "best_of",
-    "use_beam_search", "top_k", "top_p_min", "min_p", "repetition_penalty", "length_penalty", "early_stopping",
-    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "truncate_prompt_tokens", "add_special_tokens", "response_format",
-    "disaggregated_params", "echo", "max_tokens"})
-COMPLETION_FIELDS = _SAMPLING | {"prompt", "suffix", "return_context_logits", "detokenize"}
-CHAT_FIELDS = _SAMPLING | {"messages", "prompt_token_ids", "max_completion_tokens", "top_logprobs", "tools",
-                           "tool_choice", "reasoning_effort", "add_generation_prompt", "documents", "chat_template",
-                           "chat_template_kwargs", "cache_salt"}
+# The request models of the pinned source: tensorrt_llm/serve/openai_protocol.py at commit
+# 0076e9390e1ed11515f149eec356f5a03f4a00d8 (PROTOCOL.md §4c). Every model derives OpenAIBaseModel,
+# ``ConfigDict(extra="forbid", populate_by_name=True)``: any other field is refused.
+DISAGG_FIELDS = frozenset({  # class DisaggregatedParams
+    "request_type", "first_gen_tokens", "first_gen_log_probs", "first_gen_logits", "ctx_request_id",
+    "encoded_opaque_state", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint",
+    "schedule_style", "ctx_usage", "return_prompt_token_ids_b64", "resolved_thinking"})
+COMPLETION_FIELDS = frozenset({  # class CompletionRequest: max_tokens only, no max_completion_tokens
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+    "lora_request", "prompt_ignore_length", "use_beam_search", "top_k", "top_p_min", "min_p", "repetition_penalty",
+    "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "return_context_logits",
+    "detokenize", "thinking_token_budget", "add_special_tokens", "response_format", "disaggregated_params",
+    "priority", "conversation_params"})
+CHAT_FIELDS = frozenset({  # class ChatCompletionRequest (max_completion_tokens: validation_alias max_tokens)
+    "messages", "prompt_token_ids", "prompt_token_ids_b64", "model", "frequency_penalty", "logit_bias", "logprobs",
+    "top_logprobs", "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "user",
+    "reasoning_effort", "thinking", "thinking_token_budget", "prompt_ignore_length", "best_of", "use_beam_search",
+    "top_k", "top_p_min", "min_p", "repetition_penalty", "length_penalty", "early_stopping", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "lora_request", "echo", "add_generation_prompt", "add_special_tokens", "documents",
+    "chat_template", "chat_template_kwargs", "injected_chat_template_kwargs", "media_io_kwargs",
+    "disaggregated_params", "conversation_params", "cache_salt", "priority", "agent_hierarchy",
+    "mm_processor_kwargs"})
+# Field aliases: the request key -> the field it populates (validation_alias; populate_by_name also
+# accepts the field's own name, so both keys in one body populate one field twice: "extra_forbidden").
+CHAT_ALIASES = {"max_tokens": "max_completion_tokens"}
+AUTH_HEADER = "x-trtllm-disagg-auth"
+AUTH_FAILED = "Invalid internal disaggregated request authentication"
 
 
 def token_ids(prompt: str) -> list[int]:
@@ -70,9 +91,18 @@ def error_response(status: int, message: str, kind: str = "BadRequestError") -> 
                                           "code": status}))
 
 
-def validation_error(message: str) -> Response:
-    """The RequestValidationError handler's shape: 400 {"error": "<text>"}."""
-    return Response(400, orjson.dumps({"error": message}))
+def validation_error(errors: list[dict[str, Any]]) -> Response:
+    """openai_server.py, ``validation_exception_handler``: 400 ``{"error": str(exc)}``, where FastAPI's
+    RequestValidationError prints as the repr of its pydantic error list."""
+    return Response(400, orjson.dumps({"error": repr(errors)}))
+
+
+def extra_forbidden(loc: tuple[str, ...], value: Any) -> dict[str, Any]:
+    return {"type": "extra_forbidden", "loc": ("body", *loc), "msg": "Extra inputs are not permitted", "input": value}
+
+
+def value_error(message: str, body: Any) -> dict[str, Any]:
+    return {"type": "value_error", "loc": ("body",), "msg": f"Value error, {message}", "input": body}
 
 
 def _flat_ids(value: Any) -> Any:
@@ -96,10 +126,12 @@ class Counters:
     refused_pulls: int = 0
     failed_generations: int = 0
     expired: int = 0
+    refused_auth: int = 0
 
 
 class TrtllmEmulator:
-    def __init__(self, role: str, model: str, worker_id: str, side_host: str, lease_seconds: float) -> None:
+    def __init__(self, role: str, model: str, worker_id: str, side_host: str, lease_seconds: float,
+                 auth_key: bytes | None = None) -> None:
         assert role in ("prefill", "decode", "both")
         self.role = role
         self.model = model
@@ -107,13 +139,52 @@ class TrtllmEmulator:
         self.side_host = side_host
         self.side_port = 0
         self.lease_seconds = lease_seconds
+        self.auth_key = auth_key
         self.kv: dict[int, ContextKv] = {}
         self.counters = Counters()
         self.control = Control({"engine": "trtllm", "role": role, "worker_id": worker_id, "model": model,
                                 "version": TRTLLM_VERSION})
-        self.http = HttpServer(self.handle, on_disconnect=self.control.disconnected)
-        self.registry = HttpServer(self.handle_registry)
+        self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
+        self.registry = EmulatorHttpServer(self.handle_registry)
         self._client: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def add_arguments(group: Any) -> None:
+        group.add_argument("--lease", default="30s", help="how long a context worker holds an unpulled KV")
+        group.add_argument("--auth-key-file", default="",
+                           help="internal_request_auth_key: check x-trtllm-disagg-auth on protected requests")
+
+    @classmethod
+    def from_args(cls, args: Any) -> TrtllmEmulator:
+        key = read_secret_file(args.auth_key_file) if args.auth_key_file else None
+        return cls(args.role, args.model, args.worker_id, args.side_channel.host, parse_duration(args.lease), key)
+
+    def _check_auth(self, request: Request, params: Any) -> Response | None:
+        """serve/disagg_auth.py (the rc24 pin), ``validate_internal_disagg_request``, called by
+        openai_server.py ``_validate_internal_disagg_request`` in openai_chat/openai_completion: a request
+        whose params carry ``encoded_opaque_state`` or ``ctx_info_endpoint`` needs
+        ``x-trtllm-disagg-auth: sha256=<HMAC-SHA256 hex>`` over the canonical JSON of those two fields,
+        compared with hmac.compare_digest; a failure is ``create_error_response``, 400 BadRequestError.
+        Without a key the check is off (builds before PR #16002, and later ones that only warn)."""
+        if self.auth_key is None or not isinstance(params, dict):
+            return None
+        if params.get("encoded_opaque_state") is None and params.get("ctx_info_endpoint") is None:
+            return None
+        endpoint = params.get("ctx_info_endpoint")
+        if isinstance(endpoint, list):
+            endpoint = endpoint[0] if endpoint else None
+        payload = {"ctx_info_endpoint": endpoint, "encoded_opaque_state": params.get("encoded_opaque_state")}
+        canonical = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        expected = ("sha256=" + hmac.new(self.auth_key, canonical, hashlib.sha256).hexdigest()).encode()
+        sent = request.header(AUTH_HEADER)
+        try:
+            sent_bytes = sent.encode("utf-8") if sent is not None else b""
+        except UnicodeEncodeError:
+            sent_bytes = b""
+        if sent is None or not hmac.compare_digest(sent_bytes, expected):
+            self.counters.refused_auth += 1
+            return error_response(400, AUTH_FAILED)
+        return None
 
     async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int:
         self._client = common.client_session(30.0)
@@ -165,15 +236,23 @@ class TrtllmEmulator:
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
-            return validation_error("JSON decode error")
-        problem = _validate(body, chat) if isinstance(body, dict) else "Input should be a valid dictionary"
-        if problem is not None:
-            return validation_error(problem)
+            return validation_error([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                      "input": {}}])
+        if not isinstance(body, dict):
+            return validation_error([{"type": "model_attributes_type", "loc": ("body",),
+                                      "msg": "Input should be a valid dictionary or object to extract fields from",
+                                      "input": body}])
+        problems = _validate(body, chat)
+        if problems:
+            return validation_error(problems)
         params = body.get("disaggregated_params")
+        refusal = self._check_auth(request, params)
+        if refusal is not None:
+            return refusal
         request_type = params.get("request_type") if isinstance(params, dict) else None
         if request_type == "context_only":
             return self._context(body, chat, received, behaviour)
-        if request_type == "generation_only":
+        if request_type == "generation_only" and isinstance(params, dict):
             return await self._generation(body, chat, params, received)
         prompt = common.prompt_text(body, chat)
         limit = common.max_tokens(body, chat, DEFAULT_MAX_TOKENS)
@@ -324,23 +403,38 @@ class TrtllmEmulator:
         yield b"data: [DONE]\n\n"
 
 
-def _validate(body: dict[str, Any], chat: bool) -> str | None:
-    """What the pinned pydantic request models refuse before any generation."""
-    extra = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
-    if extra:
-        return f"1 validation error: {extra[0]}: Extra inputs are not permitted"
-    if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
-        return "1 validation error: Field required"
-    if body.get("stream_options") is not None and body.get("stream") is not True:
-        return "Value error, Stream options can only be defined when stream is true."
+def _validate(body: dict[str, Any], chat: bool) -> list[dict[str, Any]]:
+    """What the pinned pydantic request models refuse before any generation (openai_protocol.py)."""
+    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    aliases = CHAT_ALIASES if chat else {}
+    errors = []
+    populated = {aliases[key] for key in body if key in aliases}
+    for key, value in body.items():
+        if key in aliases:
+            continue
+        if key not in fields or key in populated:  # unknown, or a second name for an aliased field
+            errors.append(extra_forbidden((key,), value))
+    if chat and not isinstance(body.get("messages"), list):
+        errors.append({"type": "missing", "loc": ("body", "messages"), "msg": "Field required", "input": body})
+    if not chat and "prompt" not in body:
+        errors.append({"type": "missing", "loc": ("body", "prompt"), "msg": "Field required", "input": body})
     params = body.get("disaggregated_params")
     if params is not None:
         if not isinstance(params, dict) or not isinstance(params.get("request_type"), str):
-            return "1 validation error: disaggregated_params.request_type: Field required"
-        unknown = sorted(set(params) - DISAGG_FIELDS)
-        if unknown:
-            return f"1 validation error: disaggregated_params.{unknown[0]}: Extra inputs are not permitted"
-    return None
+            errors.append({"type": "missing", "loc": ("body", "disaggregated_params", "request_type"),
+                           "msg": "Field required", "input": params})
+        else:
+            errors.extend(extra_forbidden(("disaggregated_params", key), value) for key, value in params.items()
+                          if key not in DISAGG_FIELDS)
+    if errors:
+        return errors
+    # The model validators (validate_stream_options): chat tests "is not None", completions truthiness.
+    options = body.get("stream_options")
+    if chat and options is not None and not body.get("stream"):
+        return [value_error("stream_options can only be set if stream is true", body)]
+    if not chat and options and not body.get("stream"):
+        return [value_error("Stream options can only be defined when stream is true.", body)]
+    return []
 
 
 def _same_context(entry: ContextKv, claim: dict[str, Any]) -> bool:

@@ -29,7 +29,9 @@ import orjson
 
 from extproc.emulator import text
 from extproc.emulator.control import Control, Received
-from extproc.httpserver import HttpServer, RawResponse, Reply, Request, Response, StreamResponse
+from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
+from extproc.httpserver import Request, Response
+from extproc.units import parse_duration
 
 VLLM_VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VLLM_VERSION}-emulated"
@@ -91,9 +93,19 @@ class VllmEmulator:
         self._next_block = 1
         self.control = Control({"engine": "vllm", "role": role, "worker_id": worker_id,
                                 "engine_id": self.engine_id, "model": model})
-        self.http = HttpServer(self.handle, on_disconnect=self.control.disconnected)
-        self.side_channel = HttpServer(self.handle_side_channel)
+        self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
+        self.side_channel = EmulatorHttpServer(self.handle_side_channel)
         self._client: aiohttp.ClientSession | None = None
+
+    @staticmethod
+    def add_arguments(group: Any) -> None:
+        group.add_argument("--block-size", type=int, default=16, help="KV block size (tokens per block)")
+        group.add_argument("--lease", default="30s", help="how long a producer holds unread KV blocks")
+
+    @classmethod
+    def from_args(cls, args: Any) -> VllmEmulator:
+        return cls(args.role, args.model, args.worker_id, args.side_channel.host, args.block_size,
+                   parse_duration(args.lease))
 
     async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int:
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0))

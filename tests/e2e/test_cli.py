@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from extproc import ready
 from tests.harness import envoy_bin
 
 pytestmark = pytest.mark.dataplane
@@ -64,11 +65,10 @@ def test_up_demo_serves_pd_and_stops_everything_in_order_on_a_signal(
     real (emulated) KV transfer; Ctrl-C (or SIGTERM, as from a supervisor) lets the in-flight request
     finish, then stops Envoy before our server and the workers, and leaves no process behind."""
     process, lines = demo
-    assert lines[0].startswith("ready http://127.0.0.1:"), lines
-    url = lines[0].split()[1]
-    curl = lines[2]
-    prefill = curl.split("x-prefiller-host-port: ")[1].split("'")[0]
-    decode_metrics = lines[4].split()[2]
+    banner = ready.parse(lines[0])
+    url, prefill = banner["url"], banner["prefill"]
+    assert url.startswith("http://127.0.0.1:"), lines
+    assert f"x-prefiller-host-port: {prefill}" in lines[2] and f"{url}/v1/chat/completions" in lines[2]
     children = children_of(process.pid)
     assert len(children) == 4, "Envoy, the server and two emulated workers"
     with httpx.Client(timeout=30) as client:
@@ -85,14 +85,14 @@ def test_up_demo_serves_pd_and_stops_everything_in_order_on_a_signal(
     stops = [line.split()[1] for line in output.splitlines() if line.startswith("stopped ")]
     assert stops == ["envoy", "pd-extproc-serve", "emulated-decode", "emulated-prefill"]
     assert not any(alive(pid) for pid in children)
-    assert decode_metrics.endswith("/metrics")
 
 
 def test_up_demo_counts_one_transfer_per_pd_request(demo: tuple[subprocess.Popen[str], list[str]]) -> None:
     _, lines = demo
-    url = lines[0].split()[1]
-    prefill = lines[2].split("x-prefiller-host-port: ")[1].split("'")[0]
-    metrics_url = lines[4].split()[2]
+    banner = ready.parse(lines[0])
+    url, prefill = banner["url"], banner["prefill"]
+    metrics_url = f"http://{banner['decode']}/metrics"
+    assert metrics_url in lines[4], "the banner shows where decode's transfer counter is"
     with httpx.Client(timeout=30) as client:
         for stream in (False, True):
             response = client.post(f"{url}{CHAT}", headers={"x-prefiller-host-port": prefill},

@@ -331,7 +331,7 @@ def test_c27_concurrent_requests_sharing_a_request_id_never_cross_handoffs(stack
 
 @pytest.fixture(scope="module")
 def ipv6_stack() -> Iterator[Stack]:
-    workers = (WorkerSpec("prefill", "prefill", ("--listen", "[::1]:0", "--side-channel", "[::1]:0")),
+    workers = (WorkerSpec("prefill", "prefill", args=("--listen", "[::1]:0", "--side-channel", "[::1]:0")),
                WorkerSpec("decode", "decode"))
     with running_stack(workers=workers) as stack:
         yield stack

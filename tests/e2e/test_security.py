@@ -171,8 +171,9 @@ def _tls_workers(pki: dict[str, str]) -> tuple[WorkerSpec, ...]:
     control_client.load_cert_chain(pki["client_cert"], pki["client_key"])
     return (
         WorkerSpec("prefill", "prefill",
-                   ("--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"], "--tls-client-ca", pki["ca"]),
-                   {"verify": control_client}),
+                   args=("--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"],
+                         "--tls-client-ca", pki["ca"]),
+                   control_tls=control_client),
         WorkerSpec("decode", "decode"),
     )
 

@@ -28,7 +28,7 @@ BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def sglang(name: str, role: str) -> WorkerSpec:
-    return WorkerSpec(name, role, KV_TIMEOUT, engine="sglang")
+    return WorkerSpec(name, role, engine="sglang", args=KV_TIMEOUT)
 
 
 def configured_port(workers: dict[str, Worker]) -> dict[str, str]:
@@ -102,7 +102,7 @@ def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str,
     room = decode["json"]["bootstrap_room"]
     assert prefill["json"]["bootstrap_room"] == room and prefill["notes"]["transfer"] == "ok"
     assert prefill["notes"]["claimed_by"] == "decode" and decode["notes"]["prefill_worker"] == "prefill"
-    infos = [worker.http.get("/_emulator/info").json() for worker in (stack.prefill, stack.decode)]
+    infos = [worker.info() for worker in (stack.prefill, stack.decode)]
     assert [(i["role"], i["worker_id"]) for i in infos] == [("prefill", "prefill"), ("decode", "decode")]
     return prefill, decode
 
@@ -211,7 +211,7 @@ def test_decode_failure_inside_a_stream_is_sglangs_error_event(sg: Stack) -> Non
 @pytest.mark.parametrize("field,value", [("bootstrap_host", "10.1.2.3"), ("bootstrap_room", 7),
                                          ("bootstrap_port", 8998)])
 def test_client_supplied_bootstrap_fields_are_refused_before_any_leg(sg: Stack, field: str, value: Any) -> None:
-    error = assert_error(post(sg, CHAT, chat_body(**{field: value})), 400, "invalid_request_field")
+    error = assert_error(post(sg, CHAT, chat_body(**{field: value})), 400, "reserved_request_field")
     assert error["param"] == field
     assert sg.prefill.requests() == [] and sg.decode.requests() == []
 
@@ -256,7 +256,7 @@ def test_bad_server_info_stops_before_either_leg(disc: Stack) -> None:
     """A prefill worker that advertises its bootstrap port as a string (the processor caches the
     document per endpoint, so this worker is used by this test only)."""
     bad = disc.workers["prefill_bad"]
-    bad.http.post("/_emulator/server_info", json={"disaggregation_bootstrap_port": "8998"}).raise_for_status()
+    assert bad.call("POST", "/_emulator/server_info", {"disaggregation_bootstrap_port": "8998"})[0] == 200
     response = post(disc, CHAT, chat_body(), **{"x-prefiller-host-port": bad.address})
     error = assert_error(response, 502, "invalid_prefill_handoff")
     assert error["param"] == "server_info.disaggregation_bootstrap_port is invalid"

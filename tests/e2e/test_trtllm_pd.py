@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from extproc.adapters.trtllm import AUTH_HEADER, PROTOCOL_RC23
 from extproc.emulator import text
 from tests.e2e.test_vllm_pd_contract import (
     CHAT,
@@ -33,12 +35,32 @@ from tests.harness import Stack, WorkerSpec, running_stack
 
 pytestmark = pytest.mark.dataplane
 
-WORKERS = (WorkerSpec("prefill", "prefill", engine="trtllm"), WorkerSpec("decode", "decode", engine="trtllm"))
+
+
+def workers(key_file: str | None) -> tuple[WorkerSpec, ...]:
+    args = ("--auth-key-file", key_file) if key_file else ()
+    return (WorkerSpec("prefill", "prefill", engine="trtllm", args=args),
+            WorkerSpec("decode", "decode", engine="trtllm", args=args))
+
+
+def key_file(directory: Path, name: str, key: str) -> str:
+    path = directory / name
+    path.write_text(key + "\n")
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def trtllm_stack() -> Iterator[Stack]:
-    with running_stack({"PD_EXTPROC_ADAPTER": "trtllm"}, WORKERS) as stack:
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("trtllm-keys")
+    return {"workers": key_file(directory, "workers.key", "the-shared-internal-key"),
+            "other": key_file(directory, "other.key", "not-the-workers-key")}
+
+
+@pytest.fixture(scope="module")
+def trtllm_stack(keys: dict[str, str]) -> Iterator[Stack]:
+    """The default (signing) pin, our server and both workers holding the same internal key."""
+    with running_stack({"PD_EXTPROC_ADAPTER": "trtllm", "PD_EXTPROC_TRTLLM_AUTH_KEY_FILE": keys["workers"]},
+                       workers(keys["workers"])) as stack:
         yield stack
 
 
@@ -58,10 +80,11 @@ def sse_events(raw: str) -> list[str]:
 
 def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str, Any]]:
     context, generation = only(stack.prefill.requests()), only(stack.decode.requests())
+    assert dict(generation["headers"])[AUTH_HEADER].startswith("sha256="), "a signed generation request"
     issued = context["notes"]["disaggregated_params"]
     assert generation["json"]["disaggregated_params"] == {**issued, "request_type": "generation_only"}
     assert generation["notes"]["kv"] == "ok" and generation["notes"]["context_worker"] == "prefill"
-    infos = [worker.http.get("/_emulator/info").json() for worker in (stack.prefill, stack.decode)]
+    infos = [worker.info() for worker in (stack.prefill, stack.decode)]
     assert [(i["engine"], i["worker_id"]) for i in infos] == [("trtllm", "prefill"), ("trtllm", "decode")]
     return context, generation
 
@@ -193,7 +216,7 @@ def test_well_formed_params_the_context_did_not_issue_are_refused_by_the_generat
 
 def test_client_supplied_disaggregated_params_are_refused_before_any_leg(trt: Stack) -> None:
     body = chat_body(disaggregated_params={"request_type": "generation_only", "ctx_request_id": 1})
-    assert assert_error(post(trt, CHAT, body), 400, "invalid_request_field")["param"] == "disaggregated_params"
+    assert assert_error(post(trt, CHAT, body), 400, "reserved_request_field")["param"] == "disaggregated_params"
     assert_no_leg_ran(trt)
 
 
@@ -212,3 +235,57 @@ def test_client_gone_while_the_context_phase_runs_cancels_it_and_never_generates
     asyncio.run(abandon())
     assert trt.prefill.wait("disconnected"), "the context request must be cancelled"
     assert trt.decode.requests() == [], "the generation leg must not run"
+
+
+# --- token limits: one name for one field (ChatCompletionRequest, extra="forbid") ---------------------
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+def test_chat_with_either_token_limit_name_is_served(trt: Stack, limit: str) -> None:
+    """Current OpenAI SDKs send max_completion_tokens; the context request must carry that one name only."""
+    body = {"model": "emulated", "messages": [{"role": "user", "content": "What is a KV cache?"}], limit: 5}
+    response = post(trt, CHAT, body)
+    assert response.status_code == 200, response.text
+    context, generation = assert_both_roles_took_part(trt)
+    assert {k for k in ("max_tokens", "max_completion_tokens") if k in context["json"]} == {limit}
+    assert context["json"][limit] == 1 and generation["json"][limit] == 5
+    assert response.json()["usage"]["completion_tokens"] == 5
+
+
+def test_the_context_worker_refuses_a_body_with_both_names_as_trtllm_serve_does(trt: Stack) -> None:
+    """Sent straight to the emulated context worker: 400 {"error": "...extra_forbidden..."}."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1,
+            "disaggregated_params": {"request_type": "context_only", "disagg_request_id": 2**40}}
+    with httpx.Client(base_url=trt.prefill.url, timeout=30) as client:
+        response = client.post(CHAT, json=body)
+    assert response.status_code == 400
+    assert "extra_forbidden" in response.json()["error"] and "max_completion_tokens" in response.json()["error"]
+
+
+# --- signing (x-trtllm-disagg-auth) ------------------------------------------------------------------
+
+
+def test_a_clients_own_auth_header_never_reaches_either_leg(trt: Stack) -> None:
+    response = post(trt, COMPLETIONS, completion_body(max_tokens=3), **{AUTH_HEADER: "sha256=" + "0" * 64})
+    assert response.status_code == 200, response.text
+    assert AUTH_HEADER not in dict(only(trt.prefill.requests())["headers"])
+    assert dict(only(trt.decode.requests())["headers"])[AUTH_HEADER] != "sha256=" + "0" * 64
+
+
+@pytest.mark.parametrize("server_env", [
+    {"PD_EXTPROC_PROTOCOL": PROTOCOL_RC23},  # unsigned: a build before PR #16002
+    "wrong-key",  # signed with a key the workers do not hold
+], ids=["unsigned", "wrongly-signed"])
+def test_a_generation_worker_with_a_key_refuses_unsigned_and_wrongly_signed_requests(
+        keys: dict[str, str], server_env: dict[str, str] | str) -> None:
+    """trtllm-serve's create_error_response: 400 BadRequestError, decode's own answer; the context leg ran."""
+    env = {"PD_EXTPROC_ADAPTER": "trtllm"}
+    env.update(server_env if isinstance(server_env, dict) else {"PD_EXTPROC_TRTLLM_AUTH_KEY_FILE": keys["other"]})
+    with running_stack(env, workers(keys["workers"])) as stack:
+        response = post(stack, COMPLETIONS, completion_body(max_tokens=3))
+        assert response.status_code == 400, response.text
+        assert response.json() == {"object": "error", "type": "BadRequestError", "param": None, "code": 400,
+                                   "message": "Invalid internal disaggregated request authentication"}
+        assert only(stack.prefill.requests())["status"] == 200, "the context leg ran"
+        generation = only(stack.decode.requests())
+        assert "kv" not in generation["notes"], "no KV was pulled for an unauthenticated request"

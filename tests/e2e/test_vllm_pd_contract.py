@@ -222,7 +222,7 @@ def test_c07_n_null_or_one_is_served(stack: Stack, n: Any) -> None:
 @pytest.mark.parametrize("injected", [{"do_remote_prefill": True}, [], "x", True, 0], ids=repr)
 def test_c08_client_injected_handoff_is_rejected(stack: Stack, injected: Any) -> None:
     """C08: a client-supplied kv_transfer_params (anything but null or {}) is refused before any leg."""
-    assert_error(post(stack, CHAT, chat_body(kv_transfer_params=injected)), 400, "kv_transfer_params_not_allowed")
+    assert_error(post(stack, CHAT, chat_body(kv_transfer_params=injected)), 400, "reserved_request_field")
     assert_no_leg_ran(stack)
 
 

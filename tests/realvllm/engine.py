@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import stack
+from extproc import process
 from tests.realvllm.vllm_site.sitecustomize import APPLIED_MARKER, PROGRESS_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ class Engine:
 
     name: str
     address: str
-    child: stack.Child | None = None
+    child: process.Child | None = None
     http: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
@@ -214,7 +214,7 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         "--dtype", "float32",
         "--kv-transfer-config", json.dumps(kv_config),
     ]
-    child = stack.Child(name, argv, env, log_dir)
+    child = process.Child(name, argv, env, log_dir)
     child.start()
     return Engine(name, f"127.0.0.1:{http_port}", child)
 
@@ -259,7 +259,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_process_group(child: stack.Child, grace: float = 30.0) -> None:
+def stop_process_group(child: process.Child, grace: float = 30.0) -> None:
     """Stop a worker and every process it spawned (API server, EngineCore, Worker share its group)."""
     if child.process is None:
         return

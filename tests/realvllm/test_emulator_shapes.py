@@ -9,7 +9,6 @@ Values (ids, generated text, token counts) legitimately differ and are not compa
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc import stack
+from extproc.emulator.worker import WorkerSpec, start_workers
 from tests.realvllm.engine import free_ports
 from tests.realvllm.stage import RealPd, Reply, send
 from tests.realvllm.wire import (
@@ -59,19 +58,15 @@ class EmulatedPair:
 def emulated(real_pd: RealPd) -> Iterator[EmulatedPair]:
     """An emulated prefill and decode worker serving the real workers' model name."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-emulated-shapes-"))
-    children = [stack.python_child(f"emulated-{role}", [
-        "emulate", "--engine", "vllm", "--role", role, "--listen", "127.0.0.1:0", "--worker-id", f"emulated-{role}",
-        "--model", real_pd.model], os.environ, log_dir) for role in ("prefill", "decode")]
+    specs = [WorkerSpec(f"emulated-{role}", role, args=("--model", real_pd.model)) for role in ("prefill", "decode")]
+    workers = start_workers(specs, log_dir, 30)
     try:
-        for child in children:
-            child.start()
-        urls = [child.wait_ready(30).split()[1] for child in children]  # "ready http://host:port ..."
-        pair = EmulatedPair(*urls)
+        pair = EmulatedPair(*(worker.url for worker in workers.values()))
         yield pair
         pair.close()
     finally:
-        for child in children:
-            child.stop()
+        for worker in workers.values():
+            worker.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -10,17 +9,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.adapters import REGISTRY, adapter_flow, build_adapter
-from extproc.adapters.base import Flow, PrefillReply
+from extproc.adapters import ENGINES, adapter_flow, build_adapter
+from extproc.adapters.base import Flow, PlanInput, PrefillReply
 from extproc.adapters.sglang import (
     PROTOCOL_0_5_23,
     ROOM_LIMIT,
     SglangAdapter,
-    SglangDiscoveringAdapter,
     room_from_nonce,
 )
-from extproc.config import ConfigError, Settings, load_settings
+from extproc.config import ConfigError, load_settings
 from extproc.errors import Code, PdError
+from extproc.fields import refuse_reserved
 from extproc.openai_request import parse_client_request
 from extproc.prefill_target import parse_prefill_target
 
@@ -35,9 +34,12 @@ def request(path: str, body: dict[str, Any] | bytes) -> Any:
 
 def plan(body: dict[str, Any] | bytes, path: str = "/v1/chat/completions", nonce: int = 41,
          adapter: SglangAdapter | None = None, server_info: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    made = (adapter or SglangAdapter()).plan(request(path, body), TARGET, nonce, server_info)
-    assert made.decode_body is not None
-    return json.loads(made.prefill_body), json.loads(made.decode_body)
+    made = (adapter or SglangAdapter()).plan(request(path, body), PlanInput(TARGET, nonce, server_info))
+    return json.loads(made.prefill_body), json.loads(made.decode.body)
+
+
+def discovering() -> SglangAdapter:
+    return SglangAdapter(bootstrap_port=None)
 
 
 def test_both_legs_get_the_same_bootstrap_fields_as_json_string_and_integers() -> None:
@@ -50,8 +52,8 @@ def test_both_legs_get_the_same_bootstrap_fields_as_json_string_and_integers() -
 
 def test_decode_body_is_the_client_bytes_plus_three_members() -> None:
     raw = b'{"prompt": "p",  "seed": 123456789012345678901234567890, "bootstrap_room": null}'
-    made = SglangAdapter(bootstrap_port=9000).plan(request("/v1/completions", raw), TARGET, 6, None)
-    assert made.decode_body == (b'{"prompt": "p","seed": 123456789012345678901234567890,'
+    made = SglangAdapter(bootstrap_port=9000).plan(request("/v1/completions", raw), PlanInput(TARGET, 6))
+    assert made.decode.body == (b'{"prompt": "p","seed": 123456789012345678901234567890,'
                                 b'"bootstrap_host":"10.0.0.7","bootstrap_port":9000,"bootstrap_room":7}')
 
 
@@ -61,8 +63,8 @@ def test_a_non_streaming_client_request_gets_stream_false_once_on_prefill() -> N
 
 
 def test_ipv6_prefill_host_is_sent_without_brackets() -> None:
-    made = SglangAdapter().plan(request("/v1/completions", {"prompt": "p"}), parse_prefill_target(["[fd00::7]:30000"]),
-                                1, None)
+    made = SglangAdapter().plan(request("/v1/completions", {"prompt": "p"}),
+                                PlanInput(parse_prefill_target(["[fd00::7]:30000"]), 1))
     assert json.loads(made.prefill_body)["bootstrap_host"] == "fd00::7"
 
 
@@ -80,15 +82,16 @@ def test_a_room_of_zero_is_never_sent() -> None:
                                          ("bootstrap_room", 5), ("bootstrap_room", [5])])
 def test_client_supplied_bootstrap_fields_are_refused(field: str, value: Any) -> None:
     with pytest.raises(PdError) as caught:
-        plan({**CHAT, field: value})
-    assert caught.value.code is Code.INVALID_REQUEST_FIELD and caught.value.param == field
+        refuse_reserved({**CHAT, field: value}, SglangAdapter.reserved_fields)
+    assert caught.value.code is Code.RESERVED_REQUEST_FIELD and caught.value.param == field
+    refuse_reserved({**CHAT, field: None}, SglangAdapter.reserved_fields)  # null is tolerated
 
 
 def test_discovery_uses_the_prefill_workers_advertised_port() -> None:
     info = {"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 31000, "version": "0.5.23"}
-    _, decode = plan(CHAT, adapter=SglangDiscoveringAdapter(), server_info=info)
+    _, decode = plan(CHAT, adapter=discovering(), server_info=info)
     assert decode["bootstrap_port"] == 31000
-    assert SglangDiscoveringAdapter.server_info_path == "/server_info" and SglangAdapter.server_info_path is None
+    assert discovering().server_info_path == "/server_info" and SglangAdapter().server_info_path is None
 
 
 @pytest.mark.parametrize("info,param", [
@@ -108,7 +111,7 @@ def test_discovery_uses_the_prefill_workers_advertised_port() -> None:
 ])
 def test_bad_server_info_stops_before_either_leg(info: dict[str, Any], param: str) -> None:
     with pytest.raises(PdError) as caught:
-        plan(CHAT, adapter=SglangDiscoveringAdapter(), server_info=info)
+        plan(CHAT, adapter=discovering(), server_info=info)
     assert caught.value.code is Code.INVALID_PREFILL_HANDOFF and caught.value.param == param
 
 
@@ -118,7 +121,7 @@ def reply(status: int, body: Any, content_type: str = "application/json") -> Pre
 
 
 def test_background_check_accepts_sglangs_completion() -> None:
-    SglangAdapter().check_background(reply(200, {"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]}))
+    SglangAdapter().check_prefill(reply(200, {"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]}))
 
 
 @pytest.mark.parametrize("answer,code,param", [
@@ -132,7 +135,7 @@ def test_background_check_accepts_sglangs_completion() -> None:
 ])
 def test_background_check_reports_failures(answer: PrefillReply, code: Code, param: str | None) -> None:
     with pytest.raises(PdError) as caught:
-        SglangAdapter().check_background(answer)
+        SglangAdapter().check_prefill(answer)
     assert caught.value.code is code and caught.value.param == param
     if code is Code.PREFILL_UPSTREAM_ERROR:
         assert caught.value.status == 500
@@ -140,20 +143,20 @@ def test_background_check_reports_failures(answer: PrefillReply, code: Code, par
 
 def test_registry_builds_from_settings_and_the_flow_is_concurrent() -> None:
     assert adapter_flow("sglang") is Flow.CONCURRENT
-    assert REGISTRY["sglang"][0][0] == PROTOCOL_0_5_23
-    configured = build_adapter("sglang", "", dataclasses.replace(Settings(), sglang_bootstrap_port=9100))
+    assert ENGINES["sglang"].pins[0] == PROTOCOL_0_5_23
+    configured = build_adapter("sglang", "", {"sglang_bootstrap_port": 9100})
     assert type(configured) is SglangAdapter and configured.protocol == PROTOCOL_0_5_23
-    assert json.loads(configured.plan(request("/v1/completions", {"prompt": "p"}), TARGET, 1, None).prefill_body)[
-        "bootstrap_port"] == 9100
-    discovering = build_adapter("sglang", "", dataclasses.replace(Settings(), sglang_bootstrap_port="discover"))
-    assert type(discovering) is SglangDiscoveringAdapter
+    made = configured.plan(request("/v1/completions", {"prompt": "p"}), PlanInput(TARGET, 1))
+    assert json.loads(made.prefill_body)["bootstrap_port"] == 9100
+    found = build_adapter("sglang", "", {"sglang_bootstrap_port": "discover"})
+    assert isinstance(found, SglangAdapter) and found.server_info_path == "/server_info"
 
 
 @pytest.mark.parametrize("text,value", [("discover", "discover"), ("9000", 9000), (" 1 ", 1), ("65535", 65535)])
 def test_bootstrap_port_setting(text: str, value: Any) -> None:
     settings = load_settings({"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": text}, {})
-    assert settings.sglang_bootstrap_port == value
-    assert load_settings({}, {}).sglang_bootstrap_port == 8998
+    assert settings.value("sglang_bootstrap_port") == value
+    assert load_settings({}, {}).value("sglang_bootstrap_port") == 8998
 
 
 @pytest.mark.parametrize("text", ["0", "65536", "-1", "auto", "", "8998.0"])

@@ -1,5 +1,5 @@
 """The trtllm adapter as pure functions: the context-only request, the params check, the generation
-request, and the answer for a request the context phase already finished."""
+request and its signature, and the answer for a request the context phase already finished."""
 
 from __future__ import annotations
 
@@ -11,11 +11,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.adapters import adapter_flow, build_adapter
-from extproc.adapters.base import AnswerDirectly, DecodeWith, Flow, PrefillReply
-from extproc.adapters.trtllm import DISAGG_ID_LIMIT, DISAGG_ID_MIN, PROTOCOL_1_3, TrtllmAdapter, disagg_request_id
+from extproc.adapters.base import AnswerDirectly, DecodeWith, Flow, PlanInput, PrefillReply
+from extproc.adapters.trtllm import (
+    AUTH_HEADER,
+    DISAGG_ID_LIMIT,
+    DISAGG_ID_MIN,
+    PROTOCOL_RC23,
+    PROTOCOL_RC24,
+    TrtllmAdapter,
+    disagg_request_id,
+    needs_signature,
+    signature,
+)
+from extproc.config import ConfigError, load_settings
 from extproc.errors import Code, PdError
+from extproc.fields import refuse_reserved
 from extproc.openai_request import parse_client_request
 from extproc.prefill_target import parse_prefill_target
+from extproc.settings_spec import SecretFileError
 
 TARGET = parse_prefill_target(["10.0.0.7:8000"])
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9}
@@ -37,12 +50,13 @@ def request(path: str, body: dict[str, Any] | bytes) -> Any:
 
 
 def context_body(body: dict[str, Any], path: str = "/v1/chat/completions", nonce: int = 5) -> Any:
-    return json.loads(TrtllmAdapter().plan(request(path, body), TARGET, nonce, None).prefill_body)
+    return json.loads(TrtllmAdapter().prefill_body(request(path, body), PlanInput(TARGET, nonce)))
 
 
-def decide(body: dict[str, Any] | bytes, context: dict[str, Any] | bytes, path: str = "/v1/completions") -> Any:
+def decide(body: dict[str, Any] | bytes, context: dict[str, Any] | bytes, path: str = "/v1/completions",
+           adapter: TrtllmAdapter | None = None) -> Any:
     raw = context if isinstance(context, bytes) else json.dumps(context).encode()
-    return TrtllmAdapter().decide(request(path, body), PrefillReply(200, "application/json", raw))
+    return (adapter or TrtllmAdapter()).decide(request(path, body), PrefillReply(200, "application/json", raw))
 
 
 def test_context_request_is_context_only_one_token_and_not_streamed() -> None:
@@ -51,10 +65,32 @@ def test_context_request_is_context_only_one_token_and_not_streamed() -> None:
                     "disaggregated_params": {"request_type": "context_only", "disagg_request_id": DISAGG_ID_MIN + 5}}
 
 
-def test_context_request_sets_max_completion_tokens_only_when_present() -> None:
-    body = context_body({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 40})
-    assert body["max_completion_tokens"] == 1 and body["max_tokens"] == 1
-    assert "max_completion_tokens" not in context_body({"prompt": "p"}, "/v1/completions")
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("path,body,expected", [
+    # ChatCompletionRequest.max_completion_tokens has validation_alias max_tokens: one name or the other.
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 40}, {"max_completion_tokens": 1}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40}, {"max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": MESSAGES}, {"max_tokens": 1}),
+    ("/v1/completions", {"prompt": "p", "max_tokens": 40}, {"max_tokens": 1}),
+    ("/v1/completions", {"prompt": "p"}, {"max_tokens": 1}),
+    # Both names: the models refuse the client's own body, so the context worker refuses ours too.
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "max_completion_tokens": 4},
+     {"max_tokens": 1, "max_completion_tokens": 1}),
+], ids=["chat-max_completion_tokens", "chat-max_tokens", "chat-neither", "completions-max_tokens",
+        "completions-neither", "chat-both"])
+def test_context_request_carries_exactly_the_token_limit_key_the_client_used(
+        path: str, body: dict[str, Any], expected: dict[str, int]) -> None:
+    context = context_body(body, path)
+    assert {key: context[key] for key in ("max_tokens", "max_completion_tokens") if key in context} == expected
+
+
+def test_generation_request_keeps_the_clients_own_token_limit() -> None:
+    body = {**CHAT, "max_tokens": None, "max_completion_tokens": 30}
+    del body["max_tokens"]
+    generation = json.loads(decide(body, {**CONTEXT, "object": "chat.completion"}, "/v1/chat/completions").body)
+    assert generation["max_completion_tokens"] == 30 and "max_tokens" not in generation
 
 
 @given(st.integers(min_value=0, max_value=(1 << 63) - 1))
@@ -64,8 +100,10 @@ def test_disagg_request_ids_are_global_ids(nonce: int) -> None:
 
 def test_client_supplied_disaggregated_params_are_refused_and_null_is_tolerated() -> None:
     with pytest.raises(PdError) as caught:
-        context_body({**CHAT, "disaggregated_params": {"request_type": "generation_only"}})
-    assert caught.value.code is Code.INVALID_REQUEST_FIELD and caught.value.param == "disaggregated_params"
+        refuse_reserved({**CHAT, "disaggregated_params": {"request_type": "generation_only"}},
+                        TrtllmAdapter.reserved_fields)
+    assert caught.value.code is Code.RESERVED_REQUEST_FIELD and caught.value.param == "disaggregated_params"
+    refuse_reserved({**CHAT, "disaggregated_params": None}, TrtllmAdapter.reserved_fields)
     body = context_body({**CHAT, "disaggregated_params": None})
     assert body["disaggregated_params"]["request_type"] == "context_only"
 
@@ -201,7 +239,67 @@ def test_context_errors_are_the_prefill_legs_errors() -> None:
     assert caught.value.code is Code.PREFILL_UPSTREAM_ERROR and caught.value.status == 400
 
 
+# --- the generation request's signature (disagg_auth.py, PR #16002) ---------------------------------
+
+# Vectors computed with the algorithm of tensorrt_llm/serve/disagg_auth.py (research/trtllm notes):
+# key "secret", payload {"ctx_info_endpoint", "encoded_opaque_state"} as sorted compact JSON.
+@pytest.mark.parametrize("params,expected", [
+    ({"ctx_info_endpoint": None, "encoded_opaque_state": "b3BhcXVl"},
+     "sha256=dd0226a7360fb1d422781ed05d4db132774395583e9f79091e0113371cae3257"),
+    ({"ctx_info_endpoint": "tcp://10.0.0.1:5000", "encoded_opaque_state": "b3BhcXVl", "ctx_request_id": 9},
+     "sha256=2c855337a244b082618df980f3ca112bdd1d90f76609d813aef90813a9cf64b9"),
+    ({"ctx_info_endpoint": ["tcp://10.0.0.1:5000", "tcp://x"], "encoded_opaque_state": "b3BhcXVl"},
+     "sha256=2c855337a244b082618df980f3ca112bdd1d90f76609d813aef90813a9cf64b9"),
+], ids=["no-endpoint", "endpoint", "endpoint-list"])
+def test_signature_is_disagg_auths_hmac_over_the_two_protected_fields(params: dict[str, Any], expected: str) -> None:
+    assert signature(b"secret", params) == expected
+
+
+def test_only_params_with_a_protected_field_need_a_signature() -> None:
+    assert needs_signature(PARAMS)
+    assert not needs_signature({**PARAMS, "encoded_opaque_state": None, "ctx_info_endpoint": None})
+
+
+def test_a_signing_adapter_signs_the_generation_request_it_builds() -> None:
+    adapter = TrtllmAdapter(PROTOCOL_RC24, b"k3y")
+    decision = decide({"prompt": "p"}, CONTEXT, adapter=adapter)
+    sent = json.loads(decision.body)["disaggregated_params"]
+    assert decision.headers == ((AUTH_HEADER, signature(b"k3y", sent).encode()),)
+    assert TrtllmAdapter.reserved_headers == frozenset({AUTH_HEADER})
+
+
+def test_an_unsigned_pin_adds_no_header_and_takes_no_key() -> None:
+    assert decide({"prompt": "p"}, CONTEXT, adapter=TrtllmAdapter(PROTOCOL_RC23)).headers == ()
+    with pytest.raises(ValueError):
+        TrtllmAdapter(PROTOCOL_RC24)
+    with pytest.raises(ValueError):
+        TrtllmAdapter(PROTOCOL_RC23, b"k")
+
+
+def test_a_signing_pin_refuses_to_start_without_a_key(tmp_path: Any) -> None:
+    with pytest.raises(ConfigError, match="PD_EXTPROC_TRTLLM_AUTH_KEY_FILE"):
+        load_settings({"PD_EXTPROC_ADAPTER": "trtllm"}, {})
+    with pytest.raises(ConfigError, match="does not sign"):
+        load_settings({"PD_EXTPROC_ADAPTER": "trtllm", "PD_EXTPROC_PROTOCOL": PROTOCOL_RC23,
+                       "PD_EXTPROC_TRTLLM_AUTH_KEY_FILE": __file__}, {})
+    empty = tmp_path / "empty.key"
+    empty.write_text("\n")
+    with pytest.raises(SecretFileError, match="is empty"):
+        build_adapter("trtllm", PROTOCOL_RC24, {"trtllm_auth_key_file": str(empty)})
+
+
+def test_the_key_is_read_from_its_file_and_never_shown(tmp_path: Any) -> None:
+    key_file = tmp_path / "auth.key"
+    key_file.write_text("s3cr3t-k3y\n")
+    settings = load_settings({"PD_EXTPROC_ADAPTER": "trtllm", "PD_EXTPROC_TRTLLM_AUTH_KEY_FILE": str(key_file)}, {})
+    assert "s3cr3t" not in json.dumps(settings.describe())
+    adapter = build_adapter("trtllm", "", settings.engine_options)
+    assert isinstance(adapter, TrtllmAdapter)
+    decision = decide({"prompt": "p"}, CONTEXT, adapter=adapter)
+    assert decision.headers[0][1] == signature(b"s3cr3t-k3y", PARAMS).encode()
+
+
 def test_registry() -> None:
     assert adapter_flow("trtllm") is Flow.SEQUENTIAL
-    adapter = build_adapter("trtllm", "")
-    assert isinstance(adapter, TrtllmAdapter) and adapter.protocol == PROTOCOL_1_3
+    adapter = build_adapter("trtllm", PROTOCOL_RC23, {})
+    assert isinstance(adapter, TrtllmAdapter) and adapter.protocol == PROTOCOL_RC23

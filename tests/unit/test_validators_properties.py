@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.base import PrefillReply
-from extproc.adapters.vllm_nixl import _RULES, PROTOCOLS, handoff_from_reply, validate_handoff
+from extproc.adapters.vllm_nixl import PROTOCOLS, RULES, VllmNixlAdapter, handoff_from_reply, validate_handoff
 from extproc.errors import SPEC, Code, PdError, error_body
+from extproc.fields import refuse_reserved
 from extproc.openai_request import ClientRequest, parse_client_request
 from extproc.prefill_target import PrefillTarget, parse_prefill_target
 
@@ -23,14 +24,14 @@ json_values = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dic
                                                                                             max_size=4), max_leaves=15)
 REQUEST_CODES = {Code.UNSUPPORTED_ENDPOINT, Code.REQUEST_TOO_LARGE, Code.UNSUPPORTED_MEDIA_TYPE,
                  Code.INVALID_REQUEST_BODY, Code.INVALID_REQUEST_FIELD, Code.UNSUPPORTED_PD_VARIANT,
-                 Code.KV_TRANSFER_PARAMS_NOT_ALLOWED}
+                 Code.RESERVED_REQUEST_FIELD}
 HANDOFF_CODES = {Code.INVALID_PREFILL_HANDOFF, Code.PREFILL_RESPONSE_NOT_JSON, Code.PREFILL_RESPONSE_TRUNCATED,
                  Code.PREFILL_RESPONSE_STREAMED, Code.PREFILL_UPSTREAM_ERROR}
 
 
 REQUEST_PARAMS = {None, "stream", "max_tokens", "max_completion_tokens", "n", "kv_transfer_params", "messages",
                   "prompt"}
-HANDOFF_FIELDS = {name for protocol in PROTOCOLS for name in _RULES[protocol]}
+HANDOFF_FIELDS = {name for protocol in PROTOCOLS for name in RULES[protocol].rules}
 HANDOFF_PARAMS = {None, "kv_transfer_params is missing", "kv_transfer_params is not an object"} | {
     f"kv_transfer_params.{name} is {state}" for name in HANDOFF_FIELDS for state in ("missing", "invalid")}
 
@@ -77,8 +78,10 @@ def test_prefill_header_parser_on_address_like_text(value: str) -> None:
                                                   "kv_transfer_params", "max_completion_tokens", MARKER]),
                                  json_values).map(lambda v: json.dumps(v).encode())))
 def test_request_validator_total(path: str, content_type: str | None, raw: bytes) -> None:
+    """The request validator and the reserved-field check, as the processor runs them for vLLM."""
     try:
         request = parse_client_request(path, content_type, raw, 1 << 20)
+        refuse_reserved(request.body, VllmNixlAdapter.reserved_fields)
     except PdError as error:
         assert_documented(error, REQUEST_CODES, REQUEST_PARAMS)
         return

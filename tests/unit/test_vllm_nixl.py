@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.base import PrefillReply
+from extproc.adapters.base import PlanInput, PrefillReply
 from extproc.adapters.vllm_nixl import (
     PROTOCOL_0_32,
     PROTOCOL_0_33,
@@ -87,8 +87,8 @@ def test_invalid_handoffs_name_the_field(params: Any, param: str) -> None:
 def test_adapter_forwards_the_reply_handoff_verbatim() -> None:
     adapter = VllmNixlAdapter()
     client = request("/v1/completions", {"prompt": "p", "max_tokens": 4})
-    plan = adapter.plan(client, parse_prefill_target(["10.0.0.1:8000"]), 0, None)
-    assert json.loads(plan.prefill_body)["max_tokens"] == 1
+    prefill_body = adapter.prefill_body(client, PlanInput(parse_prefill_target(["10.0.0.1:8000"]), 0))
+    assert json.loads(prefill_body)["max_tokens"] == 1
     handoff = json.dumps(HANDOFF, indent=1).encode()
     reply = PrefillReply(200, "application/json", b'{"id": "x", "kv_transfer_params": ' + handoff + b"}")
     assert adapter.decide(client, reply).body.endswith(b'"kv_transfer_params":' + handoff + b"}")

@@ -1,0 +1,42 @@
+"""The owner of concurrent-flow prefill requests that run on after decode has started.
+
+It starts each one, lets the stream that owns it cancel it, and drains them on shutdown. Whatever
+ends a task (success, an error, or a cancellation before its first step), its ``on_done`` runs:
+that is where the request's admission slot is released, so no ending can leak a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+Task = asyncio.Task[None]
+
+
+class BackgroundPrefills:
+    def __init__(self) -> None:
+        self._tasks: set[Task] = set()
+
+    def start(self, work: Coroutine[Any, Any, None], on_done: Callable[[Task], None]) -> Task:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+
+        def done(finished: Task) -> None:
+            self._tasks.discard(finished)
+            on_done(finished)
+
+        task.add_done_callback(done)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for the running prefills, then cancel the rest."""
+        if not self._tasks:
+            return
+        _, late = await asyncio.wait(set(self._tasks), timeout=max(0.0, grace))
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
