@@ -9,17 +9,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.errors import PdError
+
 Task = asyncio.Task[None]
+
+
+@dataclass(eq=False)
+class BackgroundPrefill:
+    """One running prefill: its task, and what its stream and the task tell each other."""
+
+    # Set by the stream when decode's response headers arrive: decode has stopped waiting.
+    decode_answered: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set by the task when the prefill leg failed: the client gets this error instead of decode's answer.
+    failure: PdError | None = None
+    task: Task = field(init=False)  # set by BackgroundPrefills.start
 
 
 class BackgroundPrefills:
     def __init__(self) -> None:
         self._tasks: set[Task] = set()
 
-    def start(self, work: Coroutine[Any, Any, None], on_done: Callable[[Task], None]) -> Task:
-        task = asyncio.get_running_loop().create_task(work)
+    def start(self, work: Callable[[BackgroundPrefill], Coroutine[Any, Any, None]],
+              on_done: Callable[[Task], None]) -> BackgroundPrefill:
+        """Run ``work(handle)`` as a task; ``on_done`` runs when it ends, however it ends."""
+        handle = BackgroundPrefill()
+        task = asyncio.get_running_loop().create_task(work(handle))
+        handle.task = task
         self._tasks.add(task)
 
         def done(finished: Task) -> None:
@@ -27,7 +45,7 @@ class BackgroundPrefills:
             on_done(finished)
 
         task.add_done_callback(done)
-        return task
+        return handle
 
     def __len__(self) -> int:
         return len(self._tasks)

@@ -1,8 +1,9 @@
 """Server-info discovery: a prefill worker's JSON self-description (SGLang's /server_info), fetched
 through the transport and cached per endpoint with a bound and a TTL.
 
-The fetch carries only the adapter's own worker headers (e.g. the configured SGLang API key), never
-a client's headers, so a cached answer belongs to no tenant and may serve every request.
+The fetch carries only the adapter's own headers (e.g. the configured SGLang API key), never a
+client's, so a cached answer belongs to no tenant and may serve every request. Only the keys the
+adapter reads are kept (SGLang's /server_info also returns its API keys, unredacted).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ SERVER_INFO_ENTRIES = 1024  # endpoints remembered at most (least recently fetch
 
 
 class ServerInfoCache:
-    def __init__(self, transport: Transport, headers: Sequence[tuple[str, str]] = (),
-                 ttl: float = SERVER_INFO_TTL, entries: int = SERVER_INFO_ENTRIES,
+    def __init__(self, transport: Transport, headers: Sequence[tuple[str, str]] = (), *,
+                 keep: Sequence[str] = (), ttl: float = SERVER_INFO_TTL, entries: int = SERVER_INFO_ENTRIES,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._transport = transport
         self._headers = list(headers)
+        self._keep = frozenset(keep)
         self._ttl = ttl
         self._entries = entries
         self._clock = clock
@@ -56,7 +58,7 @@ class ServerInfoCache:
             raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
         if not isinstance(info, dict):
             raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
-        return info
+        return {key: value for key, value in info.items() if key in self._keep}
 
     def __len__(self) -> int:
         return len(self._cache)

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from extproc.adapters import adapter_flow
+from extproc.adapters import ENGINES, adapter_flow
 from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.errors import SPEC, Code
@@ -45,6 +45,18 @@ _LOCAL_REPLY_RULES: tuple[tuple[str, Code, bool], ...] = (
     ("response.code == 503", Code.DECODE_UPSTREAM_UNAVAILABLE, False),
     ("true", Code.GATEWAY_ERROR, True),
 )
+
+
+# Envoy's idle timeouts stay this far above the longest silence a decode request may legitimately have.
+DECODE_WAIT_MARGIN = 30.0
+
+
+def decode_idle_timeout(settings: Settings) -> float:
+    """The silence Envoy tolerates on a decode stream: the setting, raised above the engine's own wait
+    for the KV when decode starts before the prefill (SGLang), so the engines time out first."""
+    engine = ENGINES.get(settings.adapter)
+    wait = engine.decode_wait(settings.engine_options) if engine is not None else 0.0
+    return max(settings.decode_idle_timeout, wait + DECODE_WAIT_MARGIN) if wait else settings.decode_idle_timeout
 
 
 def _socket_address(address: Address) -> dict[str, Any]:
@@ -125,7 +137,7 @@ def _route_common(settings: Settings) -> dict[str, Any]:
     return {
         "cluster": DECODE_CLUSTER,
         "timeout": "0s",  # a decode stream may run for minutes; idle_timeout catches a stalled one
-        "idle_timeout": format_duration(settings.decode_idle_timeout),
+        "idle_timeout": format_duration(decode_idle_timeout(settings)),
     }
 
 
@@ -168,7 +180,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
         "stat_prefix": "pd_ingress" if pd_enabled else "untrusted_ingress",
         "codec_type": "AUTO",
         # Runs while ext_proc holds the request: it must outlast the prefill leg (checked in config.py).
-        "stream_idle_timeout": format_duration(settings.decode_idle_timeout),
+        "stream_idle_timeout": format_duration(decode_idle_timeout(settings)),
         "request_timeout": format_duration(settings.client_body_timeout),
         "request_headers_timeout": "10s",
         "access_log": [{

@@ -44,6 +44,15 @@ def head_from_headers(message: pb.HttpHeaders) -> RequestHead:
     return RequestHead(path=path, headers=headers)
 
 
+def response_status(message: pb.HttpHeaders) -> int:
+    """The :status of a response-headers message (0 if absent or malformed)."""
+    for header in message.headers.headers:
+        if header.key == ":status":
+            text = header.raw_value.decode("latin-1") if header.raw_value else header.value
+            return int(text) if text.isdigit() else 0
+    return 0
+
+
 def _header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value),
@@ -53,6 +62,10 @@ def _header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
 
 def continue_headers() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def continue_response_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
 def replace_body(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),

@@ -13,6 +13,7 @@ owned by ``BackgroundPrefills``; if it fails, the adapter's abort request ends t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -36,7 +37,7 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.admission import Admission
-from extproc.background import BackgroundPrefills, Task
+from extproc.background import BackgroundPrefill, BackgroundPrefills, Task
 from extproc.discovery import ServerInfoCache
 from extproc.errors import Code, PdError
 from extproc.fields import refuse_reserved
@@ -78,7 +79,14 @@ class BodyOutcome:
     cancels it if Envoy ends the stream before decode answers)."""
 
     response: pb.ProcessingResponse
-    background: Task | None = None
+    background: BackgroundPrefill | None = None
+
+
+# A lost abort (one that reaches SGLang's scheduler before the request itself) is forgotten, so the
+# abort is sent again after each of these waits until decode has answered (it is idempotent).
+ABORT_RETRY_WAITS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# How long a failed decode answer waits for the prefill leg's own outcome (see on_decode_answer).
+DECODE_ERROR_GRACE = 2.0
 
 
 class PdProcessor:
@@ -105,9 +113,9 @@ class PdProcessor:
         self._tracing = tracing
         self._nonce = nonce
         self._adapter_name = adapter.name if adapter is not None else "none"
-        worker_headers = [(k, v.decode("latin-1")) for k, v in adapter.worker_headers] if adapter else []
-        self._worker_headers = worker_headers
-        self._server_info = ServerInfoCache(transport, worker_headers)
+        discovery_headers = adapter.discovery_headers if adapter is not None else ()
+        self._server_info = ServerInfoCache(transport, discovery_headers,
+                                            keep=adapter.server_info_keys if adapter is not None else ())
 
     # --- the two ext_proc phases -------------------------------------------------------------------
 
@@ -179,12 +187,29 @@ class PdProcessor:
         except BaseException:
             self._leave()
             raise
-        work = self._background_prefill(adapter, head, request, target, record, plan)
-        task = self._background.start(work, lambda finished: self._background_done(finished, record))
-        return BodyOutcome(self._decode_reply(adapter, plan.decode), task)
+        handle = self._background.start(
+            lambda handle: self._background_prefill(adapter, head, request, target, record, plan, handle),
+            lambda finished: self._background_done(finished, record))
+        return BodyOutcome(self._decode_reply(adapter, plan.decode), handle)
+
+    async def on_decode_answer(self, handle: BackgroundPrefill, status: int) -> pb.ProcessingResponse:
+        """Decode's response headers arrived. If the prefill leg failed, the client gets that error
+        (decode's own answer is dropped: it only says it was aborted, or could not reach the prefill
+        engine); otherwise decode's answer. When decode fails while our prefill request is still out,
+        the prefill's outcome is awaited for a moment: both usually fail for the same reason."""
+        handle.decode_answered.set()
+        if status >= 400 and handle.failure is None and not handle.task.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DECODE_ERROR_GRACE):
+                    await asyncio.shield(handle.task)
+        if handle.failure is not None:
+            error = handle.failure
+            return msg.error_reply(error.code, error.status, error.param)
+        return msg.continue_response_headers()
 
     async def _background_prefill(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
-                                  target: ResolvedTarget, record: RequestRecord, plan: ConcurrentPlan) -> None:
+                                  target: ResolvedTarget, record: RequestRecord, plan: ConcurrentPlan,
+                                  handle: BackgroundPrefill) -> None:
         try:
             reply = await self._post_prefill(adapter, head, request, target, plan.prefill_body, record,
                                              Bounds(adapter.prefill_deadline, adapter.prefill_deadline))
@@ -192,8 +217,9 @@ class PdProcessor:
         except PdError as error:
             self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
             record.handoff_problem = error.handoff_reason
-            if plan.abort is not None:
-                record.decode_aborted = await self._abort_decode(plan, record)
+            handle.failure = error
+            if plan.abort is not None and not handle.decode_answered.is_set():
+                record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
             self._finish(record, error.code.value, error.status)
             return
         except asyncio.CancelledError:
@@ -210,18 +236,29 @@ class PdProcessor:
         if not record.done:  # cancelled before its first step: nothing inside the task ran
             self._finish(record, "cancelled", 499)
 
-    async def _abort_decode(self, plan: ConcurrentPlan, record: RequestRecord) -> bool:
-        """End the decode request that waits for this prefill; True if the decode worker accepted."""
+    async def _abort_decode(self, plan: ConcurrentPlan, record: RequestRecord, decode_answered: asyncio.Event) -> bool:
+        """End the decode request that waits for this prefill: the abort request, again after each wait
+        until decode has answered. True once decode answered after an accepted abort."""
         assert plan.abort is not None
-        headers = [*self._worker_headers, ("content-type", "application/json")]
-        try:
-            reply = await self._transport.post(self._decode, plan.abort.path, headers, plan.abort.body)
-        except PdError as error:
-            log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
-            return False
-        if reply.status != 200:
-            log.warning("decode abort refused", extra={"request_id": record.request_id, "status": reply.status})
-        return reply.status == 200
+        headers = [*plan.abort.headers, ("content-type", "application/json")]
+        accepted = False
+        for wait in (*ABORT_RETRY_WAITS, None):
+            try:
+                reply = await self._transport.post(self._decode, plan.abort.path, headers, plan.abort.body)
+            except PdError as error:
+                log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
+            else:
+                accepted = accepted or reply.status == 200
+                if reply.status != 200:
+                    log.warning("decode abort refused", extra={"request_id": record.request_id,
+                                                              "status": reply.status})
+            if wait is None:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await decode_answered.wait()
+                    break
+        return accepted and decode_answered.is_set()
 
     # --- pieces ------------------------------------------------------------------------------------
 
@@ -237,7 +274,7 @@ class PdProcessor:
     async def _post_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                             target: ResolvedTarget, body: bytes, record: RequestRecord,
                             bounds: Bounds | None = None) -> PrefillReply:
-        headers = [*prefill_headers(head.headers, adapter.reserved_headers), *self._worker_headers]
+        headers = prefill_headers(head.headers, adapter.reserved_headers)
         if record.trace is None:
             return await self._transport.post(target, request.path, headers, body, record, bounds)
         headers = record.trace.start_prefill(headers)
@@ -247,10 +284,9 @@ class PdProcessor:
             record.trace.end_prefill(record.prefill_status)
 
     def _decode_reply(self, adapter: Adapter, decision: DecodeWith) -> pb.ProcessingResponse:
-        set_headers = [*((k, v.encode("latin-1")) for k, v in self._worker_headers), *decision.headers]
-        overridden = {name for name, _ in set_headers}
+        overridden = {name for name, _ in decision.headers}
         remove = sorted(name for name in adapter.reserved_headers if name not in overridden)
-        return msg.replace_body(decision.body, set_headers, remove)
+        return msg.replace_body(decision.body, decision.headers, remove)
 
     def _leave(self) -> None:
         self._admission.leave()

@@ -14,6 +14,7 @@ import signal
 import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,7 +26,7 @@ from grpc_health.v1._async import HealthServicer
 from extproc import envoy_messages as msg
 from extproc.adapters import build_adapter
 from extproc.admission import Admission
-from extproc.background import BackgroundPrefills
+from extproc.background import BackgroundPrefill, BackgroundPrefills
 from extproc.config import ConfigError, Settings
 from extproc.errors import Code
 from extproc.httpserver import HttpServer, Request, Response
@@ -47,6 +48,16 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_NOTICE = 2.5
 
 
+@dataclass(slots=True)
+class _Stream:
+    """One ext_proc stream's state, owned by its Process call."""
+
+    head: msg.RequestHead | None = None
+    pending: Pending | None = None
+    background: BackgroundPrefill | None = None  # a concurrent engine's prefill, still running
+    decode_answered: bool = False
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, processor: PdProcessor) -> None:
         self._processor = processor
@@ -54,57 +65,47 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        background: asyncio.Task[None] | None = None
-        seen: set[str] = set()
+        stream = _Stream()
         try:
-            async for response in self._exchange(request_iterator, seen):
-                if isinstance(response, asyncio.Task):
-                    background = response
-                    continue
+            async for request in request_iterator:
+                response, done = await self._step(stream, request)
                 yield response
-        except asyncio.CancelledError:
-            # The stream was reset (client gone, or Envoy gave up) while a concurrent prefill still
-            # runs: nobody will use its KV, so stop it.
-            if background is not None:
-                background.cancel()
-            raise
-        if background is not None and "response_headers" not in seen:
-            # Envoy ended the stream before decode's response headers: the client is gone.
-            background.cancel()
+                if done:
+                    return
+        finally:
+            # Envoy ended the stream (normally, or with a reset) before decode's response headers: the
+            # client is gone, and nobody will use the KV of a concurrent prefill that still runs.
+            if stream.background is not None and not stream.decode_answered:
+                stream.background.task.cancel()
 
-    async def _exchange(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], seen: set[str]
-    ) -> AsyncIterator[pb.ProcessingResponse | asyncio.Task[None]]:
-        head: msg.RequestHead | None = None
-        pending: Pending | None = None
-        async for request in request_iterator:
-            kind = request.WhichOneof("request")
-            seen.add(str(kind))
-            if kind == "request_headers":
-                head = msg.head_from_headers(request.request_headers)
-                outcome = await self._processor.on_headers(head)
-                if isinstance(outcome, pb.ProcessingResponse):
-                    yield outcome
-                    return
-                pending = outcome
-                if request.request_headers.end_of_stream:  # a P/D POST without a body
-                    yield self._processor.refuse_now(pending, Code.INVALID_REQUEST_BODY)
-                    return
-                yield msg.continue_headers()
-            elif kind == "request_body":
-                if head is None or pending is None:
-                    log.error("request body arrived before its headers: check the Envoy processing mode")
-                    yield msg.error_reply(Code.INTERNAL_ERROR, 500)
-                    return
-                outcome = await self._processor.on_body(head, pending, request.request_body.body)
-                if outcome.background is not None:
-                    yield outcome.background
-                yield outcome.response
-            elif kind is not None:
-                # Not configured to arrive; answer so Envoy does not treat the stream as broken.
-                response = pb.ProcessingResponse()
-                getattr(response, kind).SetInParent()
-                yield response
+    async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, bool]:
+        """The reply to one message, and whether the stream is done."""
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            stream.head = msg.head_from_headers(request.request_headers)
+            outcome = await self._processor.on_headers(stream.head)
+            if isinstance(outcome, pb.ProcessingResponse):
+                return outcome, True
+            stream.pending = outcome
+            if request.request_headers.end_of_stream:  # a P/D POST without a body
+                return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
+            return msg.continue_headers(), False
+        if kind == "request_body":
+            if stream.head is None or stream.pending is None:
+                log.error("request body arrived before its headers: check the Envoy processing mode")
+                return msg.error_reply(Code.INTERNAL_ERROR, 500), True
+            body = await self._processor.on_body(stream.head, stream.pending, request.request_body.body)
+            stream.background = body.background
+            return body.response, False
+        if kind == "response_headers" and stream.background is not None:
+            stream.decode_answered = True
+            status = msg.response_status(request.response_headers)
+            return await self._processor.on_decode_answer(stream.background, status), False
+        # Not configured to arrive; answer so Envoy does not treat the stream as broken.
+        response = pb.ProcessingResponse()
+        if kind is not None:
+            getattr(response, kind).SetInParent()
+        return response, False
 
 
 def _prefill_tls(settings: Settings) -> PrefillTls | None:

@@ -116,3 +116,11 @@ def read_secret_file(path: str) -> bytes:
     if not data:
         raise SecretFileError(f"{path} is empty")
     return data
+
+
+def read_token_file(path: str) -> bytes:
+    """A secret that travels in an HTTP header (``Authorization: Bearer <token>``): visible ASCII only."""
+    token = read_secret_file(path)
+    if not all(0x21 <= byte <= 0x7E for byte in token):
+        raise SecretFileError(f"{path} must hold one token of visible ASCII characters (no spaces)")
+    return token

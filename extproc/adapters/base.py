@@ -77,6 +77,7 @@ class DecodeAbort:
 
     path: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,13 @@ class _Adapter:
     def protocol(self) -> str:
         return self._protocol
 
+    # The keys of the server-info document the adapter reads (the cache keeps nothing else: SGLang's
+    # /server_info, for one, carries its API keys).
+    server_info_keys: tuple[str, ...] = ()
+
     @property
-    def worker_headers(self) -> Headers:
-        """Headers every request to a worker carries (both legs, discovery, an abort), set by us."""
+    def discovery_headers(self) -> tuple[tuple[str, str], ...]:
+        """Headers of our own server-info request (never a client's): e.g. the workers' API key."""
         return ()
 
 
@@ -144,6 +149,10 @@ def no_option_problems(pin: str, options: Options) -> list[str]:
     return []
 
 
+def no_decode_wait(options: Options) -> float:
+    return 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Demo:
     """What ``pd-extproc up --demo`` needs for an engine beyond its two emulated workers: settings
@@ -172,4 +181,7 @@ class Engine:
     settings: tuple[SettingSpec, ...] = ()
     option_problems: Callable[[str, Options], list[str]] = no_option_problems
     demo: Demo = Demo()
+    # How long a decode request may legitimately wait in silence for its KV (a concurrent engine's decode
+    # starts before the prefill): Envoy's idle timeouts for decode are rendered above it.
+    decode_wait: Callable[[Options], float] = no_decode_wait
     summary: str = ""  # one line for the README's engine table and --help

@@ -31,6 +31,7 @@ from extproc import jsonspan
 from extproc.adapters.base import (
     ConcurrentAdapter,
     ConcurrentPlan,
+    DecodeAbort,
     DecodeWith,
     Demo,
     Engine,
@@ -43,13 +44,18 @@ from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.errors import Problem
 from extproc.fields import ReservedField, handoff_error, is_port
 from extproc.openai_request import ClientRequest
-from extproc.settings_spec import SettingSpec, positive_duration
+from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
 
 PROTOCOL_0_5_23 = "sglang-0.5.23-bootstrap"
 PROTOCOLS = (PROTOCOL_0_5_23,)
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 SERVER_INFO_PATH = "/server_info"
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+RID = "rid"  # protocol.py: ``rid: Optional[Union[List[str], str]]``, passed to GenerateReqInput as is
+ABORT_PATH = "/abort_request"  # http_server.py, abort_request: AbortReq {"rid", "abort_all"}, 200 empty
+SERVER_INFO_KEYS = ("disaggregation_mode", "disaggregation_bootstrap_port")
+API_KEY_SETTING = "sglang_api_key_file"
+ADMIN_KEY_SETTING = "sglang_admin_api_key_file"
 BOOTSTRAP_PORT_SETTING = "sglang_bootstrap_port"
 PREFILL_DEADLINE_SETTING = "sglang_prefill_deadline"
 # SGLang's own bounds on a P/D request: SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (prefill waits for
@@ -68,6 +74,12 @@ def room_from_nonce(nonce: int) -> int:
     return 1 + nonce % (ROOM_LIMIT - 1)
 
 
+def rid_from_nonce(nonce: int) -> str:
+    """Our request id on both legs. Fixed length: SGLang's scheduler aborts every rid that *starts
+    with* the aborted one (scheduler.py, abort_request), so no rid of ours may prefix another."""
+    return f"pd-{nonce:016x}"
+
+
 def bootstrap_port_from(server_info: Mapping[str, Any]) -> int:
     """The prefill engine's bootstrap port from its /server_info; it must be a prefill-mode engine."""
     if server_info.get("disaggregation_mode") != "prefill":
@@ -81,14 +93,15 @@ def bootstrap_port_from(server_info: Mapping[str, Any]) -> int:
     return port
 
 
-def bootstrap_members(host: str, port: int, room: int) -> list[tuple[str, bytes]]:
-    """The three members both legs get: a string and two JSON integers (never floats)."""
+def bootstrap_members(host: str, port: int, room: int, rid: str) -> list[tuple[str, bytes]]:
+    """The members both legs get: the three bootstrap fields (a string and two JSON integers, never
+    floats) and our request id."""
     return [("bootstrap_host", orjson.dumps(host)), ("bootstrap_port", str(port).encode()),
-            ("bootstrap_room", str(room).encode())]
+            ("bootstrap_room", str(room).encode()), (RID, orjson.dumps(rid))]
 
 
 def _without_client_bootstrap() -> dict[str, bytes | None]:
-    return {name: None for name in BOOTSTRAP_FIELDS}  # drops a tolerated null, so each key appears once
+    return {name: None for name in (*BOOTSTRAP_FIELDS, RID)}  # drops a tolerated null: each key once
 
 
 def prefill_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> bytes:
@@ -118,16 +131,27 @@ class SglangAdapter(ConcurrentAdapter):
     ``bootstrap_port=None`` read from each prefill worker's /server_info (cached by the processor)."""
 
     name: ClassVar[str] = "sglang"
-    reserved_fields: ClassVar[tuple[ReservedField, ...]] = tuple(ReservedField(name) for name in BOOTSTRAP_FIELDS)
+    reserved_fields: ClassVar[tuple[ReservedField, ...]] = tuple(ReservedField(name) for name in
+                                                               (*BOOTSTRAP_FIELDS, RID))
+    server_info_keys = SERVER_INFO_KEYS
 
     def __init__(self, protocol: str = PROTOCOL_0_5_23, bootstrap_port: int | None = DEFAULT_BOOTSTRAP_PORT,
-                 prefill_deadline: float = DEFAULT_PREFILL_DEADLINE) -> None:
+                 prefill_deadline: float = DEFAULT_PREFILL_DEADLINE, api_key: bytes | None = None,
+                 admin_api_key: bytes | None = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(protocol)
         super().__init__(protocol)
         self._bootstrap_port = bootstrap_port
         self.server_info_path = SERVER_INFO_PATH if bootstrap_port is None else None
         self.prefill_deadline = prefill_deadline
+        self._api_key = api_key
+        # /abort_request is ADMIN_OPTIONAL (utils/auth.py): the admin key when the engine has one,
+        # else its API key.
+        self._abort_key = admin_api_key or api_key
+
+    @property
+    def discovery_headers(self) -> tuple[tuple[str, str], ...]:
+        return _bearer(self._api_key)
 
     def _port(self, plan: PlanInput) -> int:
         if self._bootstrap_port is not None:
@@ -137,8 +161,10 @@ class SglangAdapter(ConcurrentAdapter):
         return bootstrap_port_from(plan.server_info)
 
     def plan(self, request: ClientRequest, plan: PlanInput) -> ConcurrentPlan:
-        bootstrap = bootstrap_members(plan.target.host, self._port(plan), room_from_nonce(plan.nonce))
-        return ConcurrentPlan(prefill_body(request, bootstrap), DecodeWith(decode_body(request, bootstrap)))
+        rid = rid_from_nonce(plan.nonce)
+        bootstrap = bootstrap_members(plan.target.host, self._port(plan), room_from_nonce(plan.nonce), rid)
+        abort = DecodeAbort(ABORT_PATH, orjson.dumps({"rid": rid, "abort_all": False}), _bearer(self._abort_key))
+        return ConcurrentPlan(prefill_body(request, bootstrap), DecodeWith(decode_body(request, bootstrap)), abort)
 
     def check_prefill(self, reply: PrefillReply) -> None:
         check_prefill_reply(reply)
@@ -153,10 +179,21 @@ def _bootstrap_port(text: str) -> int | Literal["discover"]:
     return int(value)
 
 
+def _bearer(key: bytes | None) -> tuple[tuple[str, str], ...]:
+    """utils/auth.py, ``_check_bearer_token``: "Bearer", one space, the key."""
+    return () if key is None else (("authorization", "Bearer " + key.decode("latin-1")),)
+
+
+def _key(options: Options, name: str) -> bytes | None:
+    path = options.get(name) or ""
+    return read_token_file(path) if path else None
+
+
 def build(protocol: str, options: Options) -> SglangAdapter:
     port = options.get(BOOTSTRAP_PORT_SETTING, DEFAULT_BOOTSTRAP_PORT)
     return SglangAdapter(protocol, None if port == "discover" else int(port),
-                         float(options.get(PREFILL_DEADLINE_SETTING, DEFAULT_PREFILL_DEADLINE)))
+                         float(options.get(PREFILL_DEADLINE_SETTING, DEFAULT_PREFILL_DEADLINE)),
+                         _key(options, API_KEY_SETTING), _key(options, ADMIN_KEY_SETTING))
 
 
 ENGINE = Engine(
@@ -169,7 +206,15 @@ ENGINE = Engine(
               SettingSpec(PREFILL_DEADLINE_SETTING, positive_duration,
                           "sglang adapter: total deadline of the background prefill request (it answers only after "
                           "decode pulled the KV); above SGLang's own 300 s bootstrap and waiting timeouts",
-                          default=DEFAULT_PREFILL_DEADLINE)),
+                          default=DEFAULT_PREFILL_DEADLINE),
+              SettingSpec(API_KEY_SETTING, existing_file,
+                          "sglang adapter: file holding the workers' --api-key, sent on our own requests "
+                          "(/server_info discovery, the decode abort); the P/D legs carry the client's own "
+                          "authorization", default=""),
+              SettingSpec(ADMIN_KEY_SETTING, existing_file,
+                          "sglang adapter: file holding the decode worker's --admin-api-key, if it has one "
+                          "(/abort_request then needs it); empty = the API key", default="")),
+    decode_wait=lambda options: float(options.get(PREFILL_DEADLINE_SETTING, DEFAULT_PREFILL_DEADLINE)),
     # The demo's prefill emulator binds any free bootstrap port: the server discovers it.
     demo=Demo(env={"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"}),
     summary="SGLang 0.5.23 PD (--disaggregation-mode): decode starts at once with bootstrap_host/port/room; "

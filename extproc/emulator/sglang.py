@@ -25,7 +25,7 @@ import json
 import secrets
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from extproc.emulator import common, text
 from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, Reply, StreamResponse
 from extproc.httpserver import Request, Response
+from extproc.settings_spec import read_token_file
 from extproc.units import parse_duration
 
 SGLANG_VERSION = "0.5.23"
@@ -84,11 +85,14 @@ class Counters:
     failed_transfers: int = 0
     bootstrap_failures: int = 0
     rooms_registered: int = 0
+    aborts: int = 0  # /abort_request calls that reached a request
+    unauthorized: int = 0
 
 
 class SglangEmulator:
     def __init__(self, role: str, model: str, worker_id: str, bootstrap_host: str, kv_timeout: float,
-                 default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT) -> None:
+                 default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, api_key: str | None = None,
+                 admin_api_key: str | None = None) -> None:
         assert role in MODES
         self.role = role
         self.model = model
@@ -100,6 +104,9 @@ class SglangEmulator:
         self.rooms: dict[int, Room] = {}
         self.room_to_dp_rank: dict[int, int] = {}
         self.counters = Counters()
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.inflight: dict[str, asyncio.Event] = {}  # rid -> set when an abort reaches it
         self.server_info_overrides: dict[str, Any] = {}
         self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
                                 "version": SGLANG_VERSION})
@@ -111,10 +118,30 @@ class SglangEmulator:
     def add_arguments(group: Any) -> None:
         group.add_argument("--kv-timeout", default="300s",
                            help="how long prefill waits for decode's claim and decode for prefill's room")
+        group.add_argument("--api-key-file", default="", help="serve with --api-key (the file's token)")
+        group.add_argument("--admin-api-key-file", default="", help="serve with --admin-api-key (the file's token)")
 
     @classmethod
     def from_args(cls, args: Any) -> SglangEmulator:
-        return cls(args.role, args.model, args.worker_id, args.side_channel.host, parse_duration(args.kv_timeout))
+        def key(path: str) -> str | None:
+            return read_token_file(path).decode() if path else None
+
+        return cls(args.role, args.model, args.worker_id, args.side_channel.host, parse_duration(args.kv_timeout),
+                   api_key=key(args.api_key_file), admin_api_key=key(args.admin_api_key_file))
+
+    def _authorized(self, request: Request) -> bool:
+        """utils/auth.py, ``decide_request_auth``: OPTIONS and /health*, /ready*, /metrics* are open;
+        /abort_request is ADMIN_OPTIONAL (the admin key if set, else the API key if set, else open);
+        every other endpoint is NORMAL (the API key if set, else open). ``_check_bearer_token``:
+        "Bearer" in any case, one space, the key, compared with secrets.compare_digest."""
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        admin = request.path == "/abort_request"
+        expected = (self.admin_api_key or self.api_key) if admin else self.api_key
+        if expected is None:
+            return True
+        parts = (request.header("authorization") or "").split(" ", 1)
+        return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
 
     async def start(self, host: str, port: int, bootstrap_port: int, tls: ssl.SSLContext | None = None) -> int:
         self._client = common.client_session(self.kv_timeout + 10)
@@ -145,6 +172,11 @@ class SglangEmulator:
         control = await self.control.handle(request)
         if control is not None:
             return control
+        if not self._authorized(request):
+            self.counters.unauthorized += 1
+            return Response(401, b'{"error":"Unauthorized"}')  # add_api_key_middleware
+        if request.path == "/abort_request" and request.method == "POST":
+            return self._abort(request)
         if request.path in ("/health", "/health_generate", "/ready"):
             return Response(200, b"")
         if request.path in ("/server_info", "/get_server_info"):
@@ -175,6 +207,8 @@ class SglangEmulator:
             "disaggregation_transfer_backend": "mooncake",
             "disaggregation_bootstrap_port": self.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
             "internal_states": [{}], "version": SGLANG_VERSION, "frontend": "python",
+            # ServerArgs.resolved_dict(): the keys are not redacted (only the watermark secrets are).
+            "api_key": self.api_key, "admin_api_key": self.admin_api_key,
             **self.server_info_overrides,
         }
 
@@ -194,7 +228,18 @@ class SglangEmulator:
         chat = request.path == "/v1/chat/completions"
         if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
             return bad_request("messages or prompt: Field required")
-        rid = secrets.token_hex(16)
+        given = body.get("rid")
+        rid = given if isinstance(given, str) else secrets.token_hex(16)
+        if rid in self.inflight:  # tokenizer_manager.py, _init_req_state
+            return error_response(400, f"Duplicate request ID detected: {rid}", "BadRequestError")
+        self.inflight[rid] = asyncio.Event()
+        try:
+            return await self._serve(body, chat, rid, received, behaviour)
+        finally:
+            del self.inflight[rid]
+
+    async def _serve(self, body: dict[str, Any], chat: bool, rid: str, received: Received,
+                     behaviour: dict[str, Any]) -> Reply:
         prompt = common.prompt_text(body, chat)
         room = _scalar(body.get("bootstrap_room"))
         host = _scalar(body.get("bootstrap_host"))
@@ -227,8 +272,7 @@ class SglangEmulator:
         self.room_to_dp_rank[room] = 0
         self.counters.rooms_registered += 1
         try:
-            async with asyncio.timeout(self.kv_timeout):
-                await state.claimed.wait()
+            outcome = await _first(state.claimed.wait(), self.inflight[rid].wait(), self.kv_timeout)
         except TimeoutError:
             self.counters.bootstrap_failures += 1
             received.notes["transfer"] = "bootstrap timeout"
@@ -241,6 +285,11 @@ class SglangEmulator:
             if self.rooms.get(room) is state:
                 del self.rooms[room]
             self.room_to_dp_rank.pop(room, None)
+        if outcome == 1:  # aborted: prefill.py, handle_bootstrap_failure
+            received.notes.update(transfer="aborted", aborted=True)
+            message = (f"Prefill bootstrap failed for request rank=0 req.rid='{rid}' req.bootstrap_room={room} "
+                       f"with exception KVTransferError(bootstrap_room={room}): Aborted by AbortReq.")
+            return error_response(500, message, "500")
         received.notes.update(transfer="ok", claimed_by=state.claimed_by)
         return self._answer(body, chat, rid, prompt, 1)
 
@@ -250,7 +299,13 @@ class SglangEmulator:
                       bootstrap: tuple[str, int, int], received: Received) -> Reply:
         host, port, room = bootstrap
         received.notes["bootstrap"] = {"host": host, "port": port, "room": room}
-        problem = await self._pull(host, port, room, prompt, received)
+        pulled = await _first(self._pull(host, port, room, prompt, received), self.inflight[rid].wait(), None)
+        if pulled == 1:  # decode.py, _update_handshake_waiters after kv_receiver.abort()
+            received.notes["aborted"] = True
+            problem: str | None = f"KVTransferError(bootstrap_room={room}): Aborted by AbortReq."
+        else:
+            assert isinstance(pulled, tuple)
+            problem = pulled[1]
         if problem is None:
             self.counters.transfers += 1
             return self._answer(body, chat, rid, prompt, common.max_tokens(body, chat, DEFAULT_MAX_TOKENS))
@@ -289,6 +344,22 @@ class SglangEmulator:
             return str(answer.get("error", "KV transfer failed"))
         received.notes.update(transfer="ok", prefill_worker=answer.get("prefill_worker"))
         return None
+
+    def _abort(self, request: Request) -> Response:
+        """http_server.py ``abort_request`` -> scheduler.py ``Scheduler.abort_request``: every request whose
+        rid *starts with* the given one is aborted; an unknown rid is a no-op (an abort that arrives before
+        its request is forgotten). Always 200 with an empty body."""
+        try:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            return bad_request("abort_request: invalid JSON")
+        rid = data.get("rid") if isinstance(data, dict) else None
+        if isinstance(rid, str) and rid:
+            for running, event in self.inflight.items():
+                if running.startswith(rid) and not event.is_set():
+                    event.set()
+                    self.counters.aborts += 1
+        return Response(200, b"", content_type="text/plain")
 
     # --- the bootstrap server (prefill) ---------------------------------------------------------------
 
@@ -388,6 +459,8 @@ class SglangEmulator:
             "# TYPE emulator_rooms_registered counter",
             f"emulator_rooms_registered_total{labels} {float(c.rooms_registered)}",
             "# TYPE emulator_rooms_open gauge", f"emulator_rooms_open{labels} {float(len(self.rooms))}",
+            "# TYPE emulator_aborts counter", f"emulator_aborts_total{labels} {float(c.aborts)}",
+            "# TYPE emulator_unauthorized counter", f"emulator_unauthorized_total{labels} {float(c.unauthorized)}",
         ]) + "\n"
 
 
@@ -399,6 +472,22 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 
 def _claim_error(status: int, message: str) -> Response:
     return Response(status, orjson.dumps({"error": message}))
+
+
+async def _first(work: Awaitable[Any], aborted: Awaitable[Any], within: float | None) -> Any:
+    """(0, work's result) if the work finishes first, 1 if the abort comes first; TimeoutError after
+    ``within`` seconds. The loser is cancelled."""
+    tasks = [asyncio.ensure_future(work), asyncio.ensure_future(aborted)]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not done:
+        raise TimeoutError
+    return (0, tasks[0].result()) if tasks[0] in done else 1
 
 
 async def _one_event(event: bytes) -> AsyncIterator[bytes]:

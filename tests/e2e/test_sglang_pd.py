@@ -3,7 +3,8 @@
 Mirrors the reference native-serving test: a non-empty multi-token completion served by distinct
 prefill and decode workers (each reports its worker id; both roles must have taken part), streaming
 and non-streaming; then SGLang's failure cases: prefill down, bad metadata, a prefill that fails
-after decode started, a prefill that is late, and a client that goes away.
+after decode started (decode is aborted by our rid), a prefill that is late, a client that goes away,
+and discovery against workers that require an API key.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +25,9 @@ from tests.harness import Stack, Worker, WorkerSpec, running_stack
 
 pytestmark = pytest.mark.dataplane
 
-KV_TIMEOUT = ("--kv-timeout", "3s")  # SGLang's bootstrap/waiting timeouts, short so failures end fast
+# SGLang's bootstrap and waiting timeouts (300 s in the engine): long enough that a decode request that
+# was not aborted is still waiting when a test looks, short enough to bound a failing test.
+KV_TIMEOUT = ("--kv-timeout", "60s")
 BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
@@ -124,10 +128,11 @@ def test_non_streaming_completion_is_served_by_distinct_prefill_and_decode_worke
     assert content == "".join(text.generate(prompt, 6)) and len(text.generate(prompt, 6)) > 1
     assert response.json()["usage"]["completion_tokens"] == 6
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": sg.prefill.side_channel_port,
-              "bootstrap_room": decode["json"]["bootstrap_room"]}
-    assert decode["json"] == {**body, **fields}, "decode gets the client's request plus the bootstrap fields"
+              "bootstrap_room": decode["json"]["bootstrap_room"], "rid": decode["json"]["rid"]}
+    assert decode["json"] == {**body, **fields}, "decode gets the client's request plus the P/D fields"
     assert prefill["json"] == {**body, **fields, "stream": False}
     assert 1 <= fields["bootstrap_room"] < 2**63 and isinstance(fields["bootstrap_room"], int)
+    assert decode["notes"]["rid"] == prefill["notes"]["rid"] == fields["rid"], "one rid of ours on both legs"
 
 
 @pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=5, stream=True)),
@@ -170,46 +175,58 @@ def test_decode_waits_for_a_prefill_that_arrives_late(sg: Stack) -> None:
 # --- failures ----------------------------------------------------------------------------------------
 
 
-def test_prefill_down_fails_decode_like_sglang_and_counts_the_background_failure(sg: Stack) -> None:
-    """Nothing listens at the prefill host: decode cannot reach its bootstrap server and fails with
-    SGLang's own 500; our prefill request fails in the background and is counted."""
+def test_prefill_down_is_our_502_and_counts_the_background_failure(sg: Stack) -> None:
+    """Nothing listens at the prefill host: decode cannot reach its bootstrap server either; the client
+    gets the prefill leg's documented error, not decode's."""
     before = background_failures(sg, "prefill_upstream_unavailable")
     response = post(sg, CHAT, chat_body(max_tokens=3), **{"x-prefiller-host-port": "127.0.0.2:9"})
-    assert response.status_code == 500
-    error = response.json()
-    assert error["object"] == "error" and error["code"] == 500
-    assert error["message"].startswith("Decode handshake failed") and "Could not fetch prefill parallel info" in \
-        error["message"]
+    assert_error(response, 502, "prefill_upstream_unavailable")
     assert only(sg.decode.requests())["json"]["bootstrap_host"] == "127.0.0.2"
     assert sg.prefill.requests() == []
     assert eventually(lambda: background_failures(sg, "prefill_upstream_unavailable") == before + 1)
 
 
-def test_prefill_error_after_decode_started_is_logged_counted_and_decode_times_out(sg: Stack) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_failed_prefill_aborts_the_waiting_decode_and_the_client_gets_our_error(sg: Stack, stream: bool) -> None:
+    """The prefill worker answers 503 while decode waits for the room: we abort decode by our rid
+    (/abort_request) instead of letting it wait for SGLang's waiting timeout, and the client gets our
+    documented error with the prefill's status. This stack's workers wait 60 s for KV: without the
+    abort, decode would still be waiting."""
     before = background_failures(sg, "prefill_upstream_error")
     sg.prefill.script({"status": 503})
-    response = post(sg, COMPLETIONS, completion_body(max_tokens=3))
-    assert response.status_code == 500, "decode never gets the room and fails after its waiting timeout"
-    assert "timed out" in response.json()["message"] and "WaitingForInput" in response.json()["message"]
+    response = post(sg, COMPLETIONS, completion_body(max_tokens=3, stream=stream))
+    assert_error(response, 503, "prefill_upstream_error")
     assert only(sg.prefill.requests())["status"] == 503
+    decode = only(sg.decode.requests())
+    assert decode["notes"].get("aborted") is True, "decode was aborted, not timed out"
+    assert decode["status"] == (200 if stream else 500), "SGLang's own answer to the abort (dropped by us)"
     assert eventually(lambda: background_failures(sg, "prefill_upstream_error") == before + 1)
-    assert eventually(lambda: '"outcome":"prefill_upstream_error"' in sg.server_log()), "and logged"
+    assert eventually(lambda: '"outcome":"prefill_upstream_error"' in sg.server_log()
+                      and '"decode_aborted":true' in sg.server_log()), "and logged"
 
 
-def test_decode_failure_inside_a_stream_is_sglangs_error_event(sg: Stack) -> None:
+def test_an_abort_that_reaches_decode_before_its_request_is_sent_again(sg: Stack) -> None:
+    """SGLang forgets an abort for a rid it does not have yet. The prefill fails at once and decode
+    receives its request later; the abort is repeated until decode has answered."""
+    sg.decode.script({"delay": 1.0})
+    sg.prefill.script({"status": 500})
+    response = post(sg, COMPLETIONS, completion_body(max_tokens=3))
+    assert_error(response, 500, "prefill_upstream_error")
+    assert only(sg.decode.requests())["notes"].get("aborted") is True
+
+
+def test_a_streaming_client_whose_prefill_is_down_gets_our_json_error(sg: Stack) -> None:
+    """SGLang would answer 200 with an error event inside the stream; the client gets our error instead,
+    before any byte of the stream (decode's response headers carry nothing yet)."""
     with sg.client() as client, client.stream("POST", CHAT, content=json.dumps(chat_body(stream=True)),
                                               headers=sg.pd_headers(**{"x-prefiller-host-port": "127.0.0.2:9"})
                                               ) as response:
-        assert response.status_code == 200
-        raw = response.read().decode()
-    events = [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[0])["error"]
-    assert error["type"] == "INTERNAL_SERVER_ERROR" and error["code"] == 500
+        response.read()
+    assert_error(response, 502, "prefill_upstream_unavailable")
 
 
 @pytest.mark.parametrize("field,value", [("bootstrap_host", "10.1.2.3"), ("bootstrap_room", 7),
-                                         ("bootstrap_port", 8998)])
+                                         ("bootstrap_port", 8998), ("rid", "client-chosen")])
 def test_client_supplied_bootstrap_fields_are_refused_before_any_leg(sg: Stack, field: str, value: Any) -> None:
     error = assert_error(post(sg, CHAT, chat_body(**{field: value})), 400, "reserved_request_field")
     assert error["param"] == field
@@ -268,3 +285,62 @@ def test_a_decode_worker_named_as_prefill_target_is_refused(disc: Stack) -> None
     error = assert_error(response, 502, "invalid_prefill_handoff")
     assert error["param"] == "server_info.disaggregation_mode is invalid"
     assert disc.decode.requests() == []
+
+
+# --- workers started with --api-key (utils/auth.py) ---------------------------------------------------
+
+WORKER_KEY = "sk-sglang-workers-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    key_file = tmp_path_factory.mktemp("sglang-key") / "api.key"
+    key_file.write_text(WORKER_KEY + "\n")
+    args = (*KV_TIMEOUT, "--api-key-file", str(key_file))
+    workers = (WorkerSpec("prefill", "prefill", engine="sglang", args=args),
+               WorkerSpec("decode", "decode", engine="sglang", args=args))
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover",
+                        "PD_EXTPROC_SGLANG_API_KEY_FILE": str(key_file)}, workers) as stack:
+        yield stack
+
+
+@pytest.fixture
+def keyed(keyed_stack: Stack) -> Stack:
+    keyed_stack.reset()
+    return keyed_stack
+
+
+def test_discovery_authenticates_with_the_configured_key_and_the_legs_carry_the_clients(keyed: Stack) -> None:
+    """/server_info needs the API key; our GET carries the configured one. The P/D legs carry the
+    client's own authorization (a client without the workers' key is refused by the engines, as it
+    would be without P/D); the key never reaches our logs or metrics."""
+    client_auth = f"Bearer {WORKER_KEY}"
+    response = post(keyed, CHAT, chat_body(max_tokens=3), authorization=client_auth)
+    assert response.status_code == 200, response.text
+    prefill, decode = assert_both_roles_took_part(keyed)
+    assert dict(prefill["headers"])["authorization"] == client_auth
+    assert dict(decode["headers"])["authorization"] == client_auth
+    assert keyed.prefill.metric("emulator_unauthorized_total") == 0
+    assert WORKER_KEY not in keyed.server_log()
+    assert WORKER_KEY not in httpx.get(keyed.metrics_url + "/metrics", timeout=10).text
+
+
+def test_a_client_without_the_workers_key_is_refused_by_the_engines(keyed: Stack) -> None:
+    """Nothing of ours upgrades a client's credentials: the prefill engine's 401 is the answer."""
+    response = post(keyed, CHAT, chat_body(max_tokens=3), authorization="Bearer not-the-key")
+    assert_error(response, 401, "prefill_upstream_error")
+    assert keyed.prefill.metric("emulator_unauthorized_total") >= 1
+
+
+def test_discovery_without_the_key_is_the_prefill_workers_401(sg: Stack, tmp_path: Path) -> None:
+    """Before this setting existed, every P/D request to a keyed SGLang failed here."""
+    key_file = tmp_path / "api.key"
+    key_file.write_text(WORKER_KEY + "\n")
+    args = (*KV_TIMEOUT, "--api-key-file", str(key_file))
+    workers = (WorkerSpec("prefill", "prefill", engine="sglang", args=args),
+               WorkerSpec("decode", "decode", engine="sglang", args=args))
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"},
+                       workers) as stack:
+        response = post(stack, CHAT, chat_body(max_tokens=3), authorization=f"Bearer {WORKER_KEY}")
+        assert_error(response, 401, "prefill_upstream_error")
+        assert stack.decode.requests() == [] and stack.prefill.requests() == [], "discovery comes first"

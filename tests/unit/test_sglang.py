@@ -15,13 +15,16 @@ from extproc.adapters.sglang import (
     PROTOCOL_0_5_23,
     ROOM_LIMIT,
     SglangAdapter,
+    rid_from_nonce,
     room_from_nonce,
 )
 from extproc.config import ConfigError, load_settings
+from extproc.envoy_config import decode_idle_timeout
 from extproc.errors import Code, PdError
 from extproc.fields import refuse_reserved
 from extproc.openai_request import parse_client_request
 from extproc.prefill_target import parse_prefill_target
+from extproc.settings_spec import SecretFileError
 
 TARGET = parse_prefill_target(["10.0.0.7:30000"])
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9}
@@ -44,7 +47,7 @@ def discovering() -> SglangAdapter:
 
 def test_both_legs_get_the_same_bootstrap_fields_as_json_string_and_integers() -> None:
     prefill, decode = plan({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
-    fields = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 42}
+    fields = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 42, "rid": "pd-0000000000000029"}
     assert decode == {**CHAT, "stream": True, "stream_options": {"include_usage": True}, **fields}
     assert prefill == {**CHAT, "stream": False, **fields}  # one JSON answer; max_tokens untouched
     assert type(decode["bootstrap_room"]) is int and type(decode["bootstrap_port"]) is int
@@ -54,7 +57,8 @@ def test_decode_body_is_the_client_bytes_plus_three_members() -> None:
     raw = b'{"prompt": "p",  "seed": 123456789012345678901234567890, "bootstrap_room": null}'
     made = SglangAdapter(bootstrap_port=9000).plan(request("/v1/completions", raw), PlanInput(TARGET, 6))
     assert made.decode.body == (b'{"prompt": "p","seed": 123456789012345678901234567890,'
-                                b'"bootstrap_host":"10.0.0.7","bootstrap_port":9000,"bootstrap_room":7}')
+                                b'"bootstrap_host":"10.0.0.7","bootstrap_port":9000,"bootstrap_room":7,'
+                                b'"rid":"pd-0000000000000006"}')
 
 
 def test_a_non_streaming_client_request_gets_stream_false_once_on_prefill() -> None:
@@ -79,7 +83,7 @@ def test_a_room_of_zero_is_never_sent() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("bootstrap_host", "evil.example"), ("bootstrap_port", 1),
-                                         ("bootstrap_room", 5), ("bootstrap_room", [5])])
+                                         ("bootstrap_room", 5), ("bootstrap_room", [5]), ("rid", "mine")])
 def test_client_supplied_bootstrap_fields_are_refused(field: str, value: Any) -> None:
     with pytest.raises(PdError) as caught:
         refuse_reserved({**CHAT, field: value}, SglangAdapter.reserved_fields)
@@ -163,3 +167,49 @@ def test_bootstrap_port_setting(text: str, value: Any) -> None:
 def test_bad_bootstrap_port_setting_refuses_to_start(text: str) -> None:
     with pytest.raises(ConfigError, match="PD_EXTPROC_SGLANG_BOOTSTRAP_PORT"):
         load_settings({"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": text}, {})
+
+
+# --- request ids and the decode abort (http_server.py abort_request; scheduler.py abort_request) ------
+
+
+@given(st.integers(min_value=0, max_value=(1 << 63) - 1), st.integers(min_value=0, max_value=(1 << 63) - 1))
+def test_our_rids_never_prefix_one_another(a: int, b: int) -> None:
+    """SGLang aborts every rid that starts with the aborted one: ours have one fixed length."""
+    first, second = rid_from_nonce(a), rid_from_nonce(b)
+    assert len(first) == len(second) == 19
+    assert first.startswith(second) == (a == b)
+
+
+def test_the_plan_aborts_decode_by_the_rid_both_legs_carry() -> None:
+    made = SglangAdapter().plan(request("/v1/completions", {"prompt": "p"}), PlanInput(TARGET, 77))
+    rid = json.loads(made.decode.body)["rid"]
+    assert json.loads(made.prefill_body)["rid"] == rid
+    assert made.abort is not None and made.abort.path == "/abort_request"
+    assert json.loads(made.abort.body) == {"rid": rid, "abort_all": False}
+    assert made.abort.headers == ()
+
+
+def test_keys_go_on_our_own_requests_only() -> None:
+    """Discovery carries the API key; the abort the admin key when there is one (ADMIN_OPTIONAL)."""
+    keyed = SglangAdapter(api_key=b"K")
+    made = keyed.plan(request("/v1/completions", {"prompt": "p"}), PlanInput(TARGET, 1))
+    assert keyed.discovery_headers == (("authorization", "Bearer K"),)
+    assert made.abort is not None and made.abort.headers == (("authorization", "Bearer K"),)
+    assert made.decode.headers == (), "the legs carry the client's own authorization"
+    admin = SglangAdapter(api_key=b"K", admin_api_key=b"A")
+    admin_plan = admin.plan(request("/v1/completions", {"prompt": "p"}), PlanInput(TARGET, 1))
+    assert admin_plan.abort is not None and admin_plan.abort.headers == (("authorization", "Bearer A"),)
+    assert admin.discovery_headers == (("authorization", "Bearer K"),)
+
+
+def test_a_key_that_cannot_travel_in_a_header_refuses_to_start(tmp_path: Any) -> None:
+    bad = tmp_path / "key"
+    bad.write_text("two words\n")
+    with pytest.raises(SecretFileError, match="visible ASCII"):
+        build_adapter("sglang", "", {"sglang_api_key_file": str(bad)})
+
+
+def test_the_prefill_deadline_outlasts_sglangs_own_timeouts() -> None:
+    assert build_adapter("sglang", "", {}).prefill_deadline > 300  # type: ignore[union-attr]
+    settings = load_settings({"PD_EXTPROC_ADAPTER": "sglang"}, {})
+    assert decode_idle_timeout(settings) >= settings.value("sglang_prefill_deadline") + 30
