@@ -15,7 +15,7 @@ export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit bench clean realvllm
+.PHONY: install run test lint unit bench clean realvllm sglang-models
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
 
@@ -50,6 +50,19 @@ $(TINY_MODEL)/.built: tests/realvllm/build_tiny_model.py $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tests/realvllm/build_tiny_model.py $(TINY_MODEL)
 	touch $@
 
+# SGLang's own OpenAI request models for tests/sglang_models: sglang with --no-deps (its dependencies are
+# torch and triton, 2.3 GB) plus what its protocol module imports (tests/sglang_models/requirements.txt).
+SGLANG_VENV := .venv-sglang
+export PD_SGLANG_PYTHON ?= $(abspath $(SGLANG_VENV)/bin/python)
+
+sglang-models: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: tests/sglang_models/requirements.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r tests/sglang_models/requirements.txt
+	touch $@
+
 run: install
 	$(BIN)/pd-extproc up --demo --listen $(LISTEN)
 
@@ -57,7 +70,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check extproc tests bench deploy
 	$(BIN)/mypy extproc
 
-test: install lint realvllm deploy-tools
+test: install lint realvllm sglang-models deploy-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
@@ -75,7 +88,7 @@ bench: install $(BENCH_VENV)/.installed
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(BENCH_VENV) $(TINY_MODEL) deploy/.tools \
+	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(TINY_MODEL) deploy/.tools \
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
