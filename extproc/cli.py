@@ -30,9 +30,9 @@ EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
 
 
-def _settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+def _settings(args: argparse.Namespace, environ: Mapping[str, str], consistent: bool = True) -> Settings:
     flags = {spec.name: getattr(args, spec.name, None) for spec in SPECS}
-    return load_settings(environ, flags)
+    return load_settings(environ, flags, consistent)
 
 
 def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> bool:
@@ -85,9 +85,12 @@ _UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_lis
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc import process, stack
 
+    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
+    # The demo may add settings of its own (a shared key), so the full check runs once they are in.
+    workers, demo_env = _demo_workers(_settings(args, environ, consistent=False), workdir)
+    environ = {**environ, **demo_env}
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
-    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
     running: stack.RunningStack | None = None
     stop_requested = False
 
@@ -110,9 +113,6 @@ def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         if not _provided(args, environ, "grpc_listen"):
             picks["grpc_listen"] = parse_address(f"unix:{workdir}/extproc.sock", allow_unix=True)
         settings = dataclasses.replace(settings, **picks)
-        workers, demo_env = _demo_workers(settings, workdir)
-        if demo_env:
-            settings = load_settings({**stack.settings_env(settings), **demo_env})
         running = stack.start_stack(settings, workdir, workers=workers, env=environ, decode_worker=DEMO_DECODE)
         _print_ready(running, workdir)
         while not stop_requested:

@@ -178,8 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None =
         )
 
 
-def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | None = None) -> Settings:
-    """Build Settings from the environment overlaid with flags. Raises ConfigError listing every problem."""
+def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | None = None,
+                  consistent: bool = True) -> Settings:
+    """Build Settings from the environment overlaid with flags. Raises ConfigError listing every problem
+    (with ``consistent=False`` only the values' own problems, not the cross-field rules)."""
     values: dict[str, Any] = {}
     problems: list[str] = []
     flags = flags or {}
@@ -202,7 +204,7 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
         raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))
     options = {name: values.pop(name) for name in list(values) if name in _ENGINE_SPEC_NAMES}
     settings = dataclasses.replace(Settings(), **values, engine_options={**_engine_defaults(), **options})
-    problems = check_consistency(settings)
+    problems = check_consistency(settings) if consistent else []
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings

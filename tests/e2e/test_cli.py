@@ -103,6 +103,51 @@ def test_up_demo_counts_one_transfer_per_pd_request(demo: tuple[subprocess.Popen
     assert count and float(count[0].rsplit(" ", 1)[1]) == 2.0
 
 
+# What each engine's emulated decode worker notes when it received the KV of a request.
+KV_RECEIVED = {"vllm_nixl": ("load", "ok"), "sglang": ("transfer", "ok"), "trtllm": ("kv", "ok")}
+
+
+@pytest.mark.parametrize("adapter", ["vllm_nixl", "sglang", "trtllm"])
+def test_up_demo_runs_the_configured_engines_emulators(adapter: str) -> None:
+    """`up --demo --adapter X` starts X's emulated workers (it used to start vLLM's whatever X was): chat
+    requests with max_tokens and with max_completion_tokens, streaming and not, are served with a KV
+    handoff each."""
+    process = extproc("up", "--demo", "--adapter", adapter)
+    assert process.stdout is not None
+    try:
+        banner = ready.parse(process.stdout.readline())
+        url, prefill = banner["url"], banner["prefill"]
+        bodies = [{"messages": [{"role": "user", "content": "Hello"}], limit: 4, "stream": stream}
+                  for limit in ("max_tokens", "max_completion_tokens") for stream in (False, True)]
+        with httpx.Client(timeout=60) as client:
+            for body in bodies:
+                response = client.post(f"{url}{CHAT}", headers={"x-prefiller-host-port": prefill}, json=body)
+                assert response.status_code == 200, (body, response.text)
+            decode = f"http://{banner['decode']}"
+            assert client.get(f"{decode}/_emulator/info").json()["engine"] == adapter.split("_")[0]
+            note, value = KV_RECEIVED[adapter]
+            received = client.get(f"{decode}/_emulator/requests").json()
+            assert [record["notes"].get(note) for record in received] == [value] * len(bodies)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+    assert process.returncode == 0
+
+
+def test_up_demo_trtllm_context_worker_refuses_both_token_limit_names() -> None:
+    """The demo's context emulator is as strict as trtllm-serve: one field, two names, both given -> 400."""
+    process = extproc("up", "--demo", "--adapter", "trtllm")
+    assert process.stdout is not None
+    try:
+        prefill = ready.parse(process.stdout.readline())["prefill"]
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "max_completion_tokens": 1}
+        response = httpx.post(f"http://{prefill}{CHAT}", json=body, timeout=30)
+        assert response.status_code == 400 and "extra_forbidden" in response.json()["error"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+
+
 def test_up_refuses_a_port_that_is_taken() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
