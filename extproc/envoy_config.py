@@ -15,6 +15,7 @@ from extproc.adapters import ENGINES, adapter_flow
 from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.errors import SPEC, Code
+from extproc.headers import PICKER_HEADERS
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.units import Address, format_duration
 
@@ -146,7 +147,7 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "name": "passthrough",
         "match": {"prefix": "/"},
         "route": _route_common(settings),
-        "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+        "request_headers_to_remove": sorted(PICKER_HEADERS),
         "typed_per_filter_config": {EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True}},
     }
     if not pd_enabled:
@@ -162,7 +163,7 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         },
         "route": _route_common(settings),
         "request_body_buffer_limit": settings.max_request_bytes,
-        "request_headers_to_remove": [PREFILL_TARGET_HEADER],
+        "request_headers_to_remove": sorted(PICKER_HEADERS),
     }
     return [pd_route, passthrough]
 

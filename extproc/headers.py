@@ -3,7 +3,11 @@
 Kept: end-to-end headers, including authorization, x-request-id (so both legs share one id),
 W3C trace context and any routing header the engines read. Dropped: pseudo-headers, hop-by-hop
 headers (RFC 9110 §7.6.1) and any header the client's Connection header names, framing headers the
-client computed for its own body, Envoy-internal headers, and the P/D routing header itself.
+client computed for its own body, Envoy-internal headers, the endpoint picker's routing headers
+(llm-d-router ``pkg/common/routing/common.go``: they name workers for the router, not for an engine),
+and ``x-data-parallel-rank``: it pins a rank of the decode worker's engine (vLLM's API server,
+``_get_data_parallel_rank``); the prefill worker's rank is its port (one endpoint per rank port), and
+another engine's rank number there would be out of range or wrong.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ HOP_BY_HOP = frozenset({
     "proxy-authorization", "proxy-authenticate",
 })
 _RECOMPUTED = frozenset({"host", "content-length", "content-type", "expect", "accept-encoding"})
-_ROUTING_ONLY = frozenset({PREFILL_TARGET_HEADER})
+# The endpoint picker's headers (llm-d-router v0.10.0, pkg/common/routing/common.go). Envoy removes
+# them before decode too (envoy_config.py); we do not run encode stages or P2P KV pulls.
+PICKER_HEADERS = frozenset({PREFILL_TARGET_HEADER, "x-encoder-hosts-ports", "x-kv-cache-source-host-port"})
+DATA_PARALLEL_RANK = "x-data-parallel-rank"
+_ROUTING_ONLY = PICKER_HEADERS | {DATA_PARALLEL_RANK}
 
 
 def prefill_headers(client_headers: Iterable[tuple[str, str]],

@@ -55,12 +55,13 @@ def test_timeouts_and_limits_come_from_one_settings_object() -> None:
     assert parse_duration(hcm["stream_idle_timeout"]) > parse_duration(ext_proc["message_timeout"])
 
 
-def test_only_the_pd_route_runs_ext_proc_and_both_strip_the_header() -> None:
+def test_only_the_pd_route_runs_ext_proc_and_both_strip_the_pickers_headers() -> None:
     routes = _hcm(render(load_settings({}, {})))["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == ["pd", "passthrough"]
     assert "typed_per_filter_config" not in routes[0]
     assert routes[1]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
-    assert all(r["request_headers_to_remove"] == ["x-prefiller-host-port"] for r in routes)
+    picker = ["x-encoder-hosts-ports", "x-kv-cache-source-host-port", "x-prefiller-host-port"]
+    assert all(r["request_headers_to_remove"] == picker for r in routes)
 
 
 def test_untrusted_sources_get_no_pd_route_and_no_ext_proc() -> None:

@@ -16,3 +16,13 @@ def test_prefill_headers_keep_end_to_end_and_drop_hop_by_hop() -> None:
     assert prefill_headers(client) == [
         ("authorization", "Bearer k"), ("traceparent", "00-a-b-01"), ("x-request-id", "r"), ("x-multi", "1"),
         ("x-multi", "2"), ("content-type", "application/json"), ("accept-encoding", "identity")]
+
+
+def test_the_pickers_routing_headers_and_the_decode_rank_stay_off_the_prefill_leg() -> None:
+    """x-encoder-hosts-ports and x-kv-cache-source-host-port name workers for a router; the data-parallel
+    rank the gateway chose is the decode engine's (the prefill rank is its port)."""
+    client = [("x-encoder-hosts-ports", "10.0.0.2:8000,10.0.0.3:8000"),
+              ("x-kv-cache-source-host-port", "10.0.0.4:8000"), ("x-data-parallel-rank", "3"),
+              ("x-trtllm-disagg-auth", "sha256=00"), ("x-keep", "1")]
+    assert prefill_headers(client, frozenset({"x-trtllm-disagg-auth"})) == [
+        ("x-keep", "1"), ("content-type", "application/json"), ("accept-encoding", "identity")]
