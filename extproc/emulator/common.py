@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 
 from extproc.emulator import text
+from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.http import RawResponse, Reply
 from extproc.httpserver import Response
 
@@ -34,16 +35,16 @@ def include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-async def misbehave(behaviour: dict[str, Any], error: Callable[[int, str], Response]) -> Reply | None:
+async def misbehave(behaviour: Behaviour, error: Callable[[int, str], Response]) -> Reply | None:
     """Scripted failures before any normal processing: ``delay`` (seconds), ``hang``, ``status``
     (answered with the engine's own error shape), ``close`` (the connection drops at once)."""
-    if "delay" in behaviour:
-        await asyncio.sleep(float(behaviour["delay"]))
-    if behaviour.get("hang"):
+    if behaviour.delay is not None:
+        await asyncio.sleep(behaviour.delay)
+    if behaviour.hang:
         await asyncio.Event().wait()
-    if "status" in behaviour:
-        return error(int(behaviour["status"]), "emulated failure")
-    if behaviour.get("close"):
+    if behaviour.status is not None:
+        return error(behaviour.status, "emulated failure")
+    if behaviour.close:
         return RawResponse(_close_at_once)
     return None
 

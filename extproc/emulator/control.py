@@ -6,7 +6,8 @@ Control endpoints (never recorded):
   GET  /_emulator/requests                 every recorded request (body parsed when it is small JSON)
   GET  /_emulator/requests/{seq}/body      one request's raw body
   GET  /_emulator/wait?outcome=O&count=N&timeout=S   block until N requests have outcome O (or 408)
-  POST /_emulator/script                   {"behaviours": [...]}: one behaviour per next request, FIFO
+  POST /_emulator/script                   {"behaviours": [...]}: one behaviour per next request, FIFO;
+                                           400 naming the key when one is not the emulator's (behaviour.py)
   POST /_emulator/reset                    forget requests and script (metrics stay cumulative)
 """
 
@@ -19,10 +20,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic
 
 import orjson
 
+from extproc.emulator.behaviour import B, BehaviourError
 from extproc.httpserver import Request, Response
 
 _INLINE_JSON_LIMIT = 2 << 20
@@ -58,11 +60,12 @@ class Received:
         }
 
 
-class Control:
-    def __init__(self, info: dict[str, Any]) -> None:
+class Control(Generic[B]):
+    def __init__(self, info: dict[str, Any], behaviour: type[B]) -> None:
         self.info = info
+        self.behaviour = behaviour
         self.records: list[Received] = []
-        self.script: deque[dict[str, Any]] = deque()
+        self.script: deque[B] = deque()
         self._changed = asyncio.Condition()
         self._seq = 0
 
@@ -84,8 +87,12 @@ class Control:
                 self.finish(received, "disconnected", received.status)
                 return
 
-    def next_behaviour(self) -> dict[str, Any]:
-        return self.script.popleft() if self.script else {}
+    def next_behaviour(self, received: Received | None = None) -> B:
+        """The next scripted behaviour (the default one when none is queued), noted on ``received``."""
+        behaviour = self.script.popleft() if self.script else self.behaviour()
+        if received is not None:
+            received.notes["behaviour"] = behaviour.given()
+        return behaviour
 
     def _notify(self) -> None:
         async def notify() -> None:
@@ -125,7 +132,11 @@ class Control:
             self.script.clear()
             return Response(200, b"{}")
         if path == "script" and request.method == "POST":
-            self.script.extend(orjson.loads(request.body)["behaviours"])
+            try:
+                parsed = [self.behaviour.parse(entry) for entry in orjson.loads(request.body)["behaviours"]]
+            except (BehaviourError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                return Response(400, orjson.dumps({"error": str(exc)}))
+            self.script.extend(parsed)
             return Response(200, b"{}")
         if path == "wait":
             outcome = query.get("outcome", "answered")

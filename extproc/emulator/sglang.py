@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 
 from extproc.emulator import common, text
+from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, Reply, StreamResponse
 from extproc.httpserver import Request, Response
@@ -66,6 +67,11 @@ def stream_error_event(status: int, name: str, message: str) -> bytes:
 def _scalar(value: Any) -> Any:
     """SGLang accepts each bootstrap field as a scalar or a per-prompt list; one prompt here."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+@dataclass(frozen=True, kw_only=True)
+class SglangBehaviour(Behaviour):
+    delay_register: float | None = None  # seconds a prefill request waits before it registers its room
 
 
 @dataclass
@@ -109,7 +115,7 @@ class SglangEmulator:
         self.inflight: dict[str, asyncio.Event] = {}  # rid -> set when an abort reaches it
         self.server_info_overrides: dict[str, Any] = {}
         self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
-                                "version": SGLANG_VERSION})
+                                "version": SGLANG_VERSION}, SglangBehaviour)
         self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
         self.bootstrap = EmulatorHttpServer(self.handle_bootstrap)
         self._client: aiohttp.ClientSession | None = None
@@ -213,8 +219,7 @@ class SglangEmulator:
         }
 
     async def _generate(self, request: Request, received: Received) -> Reply:
-        behaviour = self.control.next_behaviour()
-        received.notes["behaviour"] = behaviour
+        behaviour = self.control.next_behaviour(received)
         misbehaviour = await common.misbehave(behaviour, lambda status, message: error_response(
             status, message, str(status)))
         if misbehaviour is not None:
@@ -239,7 +244,7 @@ class SglangEmulator:
             del self.inflight[rid]
 
     async def _serve(self, body: dict[str, Any], chat: bool, rid: str, received: Received,
-                     behaviour: dict[str, Any]) -> Reply:
+                     behaviour: SglangBehaviour) -> Reply:
         prompt = common.prompt_text(body, chat)
         room = _scalar(body.get("bootstrap_room"))
         host = _scalar(body.get("bootstrap_host"))
@@ -259,9 +264,9 @@ class SglangEmulator:
     # --- prefill: register the room, wait for the decode worker's claim --------------------------------
 
     async def _prefill(self, body: dict[str, Any], chat: bool, rid: str, prompt: str, room: int,
-                       received: Received, behaviour: dict[str, Any]) -> Reply:
-        if "delay_register" in behaviour:
-            await asyncio.sleep(float(behaviour["delay_register"]))
+                       received: Received, behaviour: SglangBehaviour) -> Reply:
+        if behaviour.delay_register is not None:
+            await asyncio.sleep(behaviour.delay_register)
         state = self.rooms.setdefault(room, Room())
         if state.registered.is_set():
             return bad_request(f"bootstrap_room {room} is already in use")

@@ -28,13 +28,14 @@ import secrets
 import ssl
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 
 from extproc.emulator import common, text
+from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
 from extproc.httpserver import Request, Response
@@ -109,6 +110,16 @@ def _flat_ids(value: Any) -> Any:
     return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrtllmBehaviour(Behaviour):
+    first_token_eos: bool = False  # the context phase's one token is EOS: the request is finished
+    params_set: dict[str, Any] = field(default_factory=dict)  # edits of the issued disaggregated_params
+    params_remove: list[str] = field(default_factory=list)
+    params_null: bool = False  # choices[0].disaggregated_params: null
+    prompt_token_ids: Any = None  # replaces the answer's prompt_token_ids
+    omit_prompt_token_ids: bool = False
+
+
 @dataclass(slots=True)
 class ContextKv:
     disagg_request_id: Any
@@ -143,7 +154,7 @@ class TrtllmEmulator:
         self.kv: dict[int, ContextKv] = {}
         self.counters = Counters()
         self.control = Control({"engine": "trtllm", "role": role, "worker_id": worker_id, "model": model,
-                                "version": TRTLLM_VERSION})
+                                "version": TRTLLM_VERSION}, TrtllmBehaviour)
         self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
         self.registry = EmulatorHttpServer(self.handle_registry)
         self._client: aiohttp.ClientSession | None = None
@@ -226,8 +237,7 @@ class TrtllmEmulator:
         return reply
 
     async def _generate(self, request: Request, received: Received) -> Reply:
-        behaviour = self.control.next_behaviour()
-        received.notes["behaviour"] = behaviour
+        behaviour = self.control.next_behaviour(received)
         misbehaviour = await common.misbehave(behaviour, lambda status, message: error_response(
             status, message, "InternalServerError" if status >= 500 else "BadRequestError"))
         if misbehaviour is not None:
@@ -260,14 +270,14 @@ class TrtllmEmulator:
 
     # --- context-only: one token, the params, the KV held for a generation worker -----------------------
 
-    def _context(self, body: dict[str, Any], chat: bool, received: Received, behaviour: dict[str, Any]) -> Reply:
+    def _context(self, body: dict[str, Any], chat: bool, received: Received, behaviour: TrtllmBehaviour) -> Reply:
         if self.ctx_info_endpoint is None:
             return error_response(400, "This worker has no cache transceiver for context-only requests")
         self._reap()
         prompt = common.prompt_text(body, chat)
         ids = token_ids(prompt)
         first = text.generate(prompt, 1)
-        eos = bool(behaviour.get("first_token_eos"))
+        eos = behaviour.first_token_eos
         first_ids = [EOS_TOKEN] if eos else token_ids(first[0])[:1]
         limit = common.max_tokens(body, chat, DEFAULT_MAX_TOKENS)
         ctx_request_id = secrets.randbelow(1 << 40)
@@ -280,19 +290,19 @@ class TrtllmEmulator:
         self.kv[ctx_request_id] = ContextKv(params["disagg_request_id"], params["encoded_opaque_state"], first_ids,
                                             ids, prompt, time.monotonic() + self.lease_seconds)
         self.counters.contexts += 1
-        params.update(behaviour.get("params_set", {}))
-        for key in behaviour.get("params_remove", []):
+        params.update(behaviour.params_set)
+        for key in behaviour.params_remove:
             params.pop(key, None)
         received.notes.update(ctx_request_id=ctx_request_id, disaggregated_params=params, prompt_token_ids=ids)
         finish = "stop" if eos else ("length" if limit == 1 else "not_finished")
         answer = self._full(chat, "" if eos else first[0], len(ids), 1, finish)
         answer["choices"][0]["disaggregated_params"] = params
         answer["prompt_token_ids"] = ids
-        if behaviour.get("omit_prompt_token_ids"):
+        if behaviour.omit_prompt_token_ids:
             del answer["prompt_token_ids"]
-        elif "prompt_token_ids" in behaviour:
-            answer["prompt_token_ids"] = behaviour["prompt_token_ids"]
-        if behaviour.get("params_null"):
+        elif behaviour.prompt_token_ids is not None:
+            answer["prompt_token_ids"] = behaviour.prompt_token_ids
+        if behaviour.params_null:
             answer["choices"][0]["disaggregated_params"] = None
         return Response(200, orjson.dumps(answer), headers=[(common.WORKER_HEADER, self.worker_id)])
 

@@ -28,6 +28,7 @@ import aiohttp
 import orjson
 
 from extproc.emulator import text
+from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
 from extproc.httpserver import Request, Response
@@ -49,6 +50,36 @@ def error_json(status: int, message: str, kind: str) -> bytes:
 
 def _bad_request(message: str) -> Response:
     return Response(400, error_json(400, message, "BadRequestError"))
+
+
+class _Keep:
+    """The handoff as the producer made it (the default of VllmBehaviour.kv_transfer_params)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP: Any = _Keep()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmBehaviour(Behaviour):
+    echo_request: bool = False  # with status: the error quotes the request, like engines that do
+    sse_raw: str | None = None  # answer these bytes as an event stream
+    chunking: str = "event"  # how a stream is cut into writes: event | byte
+    token_interval: float = 0.0  # seconds between stream writes
+    chunked_pad_bytes: int | None = None  # a chunked JSON body of about this many bytes
+    raw_body: str | None = None  # answer these bytes, status 200
+    content_type: str = "application/json"  # of raw_body
+    stall_after_headers: bool = False  # send the response head, then nothing
+    drip_interval: float | None = None  # send the body one byte every so many seconds
+    truncate: bool = False  # cut the body mid-JSON and close
+    kv_transfer_params: Any = KEEP  # replace the producer's handoff with this value (null included)
+    sse: bool = False  # answer as a stream even without stream: true
+    omit_kv_transfer_params: bool = False  # leave the handoff out of the answer
+    pad_bytes: int | None = None  # add a padding field of this many bytes
+    kv_set: dict[str, Any] = field(default_factory=dict)  # edit fields of the handoff
+    kv_remove: list[str] = field(default_factory=list)  # drop fields of the handoff
 
 
 @dataclass(slots=True)
@@ -92,7 +123,7 @@ class VllmEmulator:
         self.leases: dict[str, Lease] = {}
         self._next_block = 1
         self.control = Control({"engine": "vllm", "role": role, "worker_id": worker_id,
-                                "engine_id": self.engine_id, "model": model})
+                                "engine_id": self.engine_id, "model": model}, VllmBehaviour)
         self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
         self.side_channel = EmulatorHttpServer(self.handle_side_channel)
         self._client: aiohttp.ClientSession | None = None
@@ -144,8 +175,7 @@ class VllmEmulator:
     async def _generate(self, request: Request, received: Received) -> Reply:
         if request.method != "POST" or request.path not in ("/v1/chat/completions", "/v1/completions"):
             return Response(404, error_json(404, "Not Found", "NotFoundError"))
-        behaviour = self.control.next_behaviour()
-        received.notes["behaviour"] = behaviour
+        behaviour = self.control.next_behaviour(received)
         misbehaviour = await self._misbehave(behaviour, request)
         if misbehaviour is not None:
             return misbehaviour
@@ -181,20 +211,20 @@ class VllmEmulator:
         self.counters.generation_tokens += len(tokens)
         self.counters.requests_ok += 1
         request_id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(8)
-        if behaviour.get("kv_transfer_params", "keep") != "keep":
-            handoff = behaviour["kv_transfer_params"]
-        if body.get("stream") is True or behaviour.get("sse"):
+        if behaviour.kv_transfer_params is not KEEP:
+            handoff = behaviour.kv_transfer_params
+        if body.get("stream") is True or behaviour.sse:
             include_usage = isinstance(body.get("stream_options"), dict) and \
                 body["stream_options"].get("include_usage") is True
             return StreamResponse(self._stream(request_id, chat, tokens, prompt_tokens, include_usage,
                                                behaviour))
         payload = self._full_response(request_id, chat, tokens, prompt_tokens)
-        if handoff is not None or "kv_transfer_params" in behaviour:
+        if handoff is not None or behaviour.kv_transfer_params is not KEEP:
             payload["kv_transfer_params"] = handoff
-        if behaviour.get("omit_kv_transfer_params"):
+        if behaviour.omit_kv_transfer_params:
             payload.pop("kv_transfer_params", None)
-        if behaviour.get("pad_bytes"):
-            payload["padding"] = "x" * int(behaviour["pad_bytes"])
+        if behaviour.pad_bytes:
+            payload["padding"] = "x" * behaviour.pad_bytes
         return Response(200, orjson.dumps(payload), headers=[("x-emulator-worker", self.worker_id)])
 
     def _validate(self, body: dict[str, Any], chat: bool) -> Response | None:
@@ -222,34 +252,32 @@ class VllmEmulator:
             return int(body["max_tokens"])
         return DEFAULT_MAX_TOKENS
 
-    async def _misbehave(self, behaviour: dict[str, Any], request: Request) -> Reply | None:
+    async def _misbehave(self, behaviour: VllmBehaviour, request: Request) -> Reply | None:
         """Scripted failures, before any normal processing."""
-        if "delay" in behaviour:
-            await asyncio.sleep(float(behaviour["delay"]))
-        if behaviour.get("hang"):
+        if behaviour.delay is not None:
+            await asyncio.sleep(behaviour.delay)
+        if behaviour.hang:
             await asyncio.Event().wait()
-        if "status" in behaviour:
-            status = int(behaviour["status"])
+        if behaviour.status is not None:
+            status = behaviour.status
             message = "emulated failure"
-            if behaviour.get("echo_request"):  # like an engine that quotes the request in its error
+            if behaviour.echo_request:  # like an engine that quotes the request in its error
                 message += ": " + request.body.decode(errors="replace")
             return Response(status, error_json(status, message, "EmulatedError"))
-        if "sse_raw" in behaviour:
-            return StreamResponse(_pieces(str(behaviour["sse_raw"]).encode(), str(behaviour.get("chunking", "event")),
-                                          float(behaviour.get("token_interval", 0))))
-        if "chunked_pad_bytes" in behaviour:
-            return StreamResponse(_chunked_json(int(behaviour["chunked_pad_bytes"])), content_type="application/json")
-        if "raw_body" in behaviour:
-            return Response(200, str(behaviour["raw_body"]).encode(),
-                            content_type=str(behaviour.get("content_type", "application/json")))
-        if behaviour.get("close"):
+        if behaviour.sse_raw is not None:
+            return StreamResponse(_pieces(behaviour.sse_raw.encode(), behaviour.chunking, behaviour.token_interval))
+        if behaviour.chunked_pad_bytes is not None:
+            return StreamResponse(_chunked_json(behaviour.chunked_pad_bytes), content_type="application/json")
+        if behaviour.raw_body is not None:
+            return Response(200, behaviour.raw_body.encode(), content_type=behaviour.content_type)
+        if behaviour.close:
             return RawResponse(_close_at_once)
-        if behaviour.get("stall_after_headers"):
+        if behaviour.stall_after_headers:
             return RawResponse(_stall_after_headers)
-        if "drip_interval" in behaviour:
-            interval = float(behaviour["drip_interval"])
+        if behaviour.drip_interval is not None:
+            interval = behaviour.drip_interval
             return RawResponse(lambda writer: _drip(writer, interval))
-        if behaviour.get("truncate"):
+        if behaviour.truncate:
             return RawResponse(_truncate)
         return None
 
@@ -291,10 +319,10 @@ class VllmEmulator:
         return response
 
     async def _stream(self, request_id: str, chat: bool, tokens: list[str], prompt_tokens: int,
-                      include_usage: bool, behaviour: dict[str, Any]) -> AsyncIterator[bytes]:
+                      include_usage: bool, behaviour: VllmBehaviour) -> AsyncIterator[bytes]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
-        interval = float(behaviour.get("token_interval", 0))
+        interval = behaviour.token_interval
         # Chunks as vLLM 0.32 writes them: chat opens with a role chunk carrying the (null) prompt echo
         # fields; the finishing chunk adds stop_reason and, without a usage chunk, the fingerprint; the
         # usage chunk has no choices, the three counts, and the fingerprint.
@@ -320,7 +348,7 @@ class VllmEmulator:
                            "usage": self._usage(prompt_tokens, len(tokens)), "system_fingerprint": FINGERPRINT})
         frames = [b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks]
         frames.append(b"data: [DONE]\n\n")
-        chunking = behaviour.get("chunking", "event")
+        chunking = behaviour.chunking
         data = b"".join(frames)
         if chunking == "whole":
             pieces = [data]
@@ -353,7 +381,7 @@ class VllmEmulator:
 
     # --- the NIXL side -----------------------------------------------------------------------------
 
-    def _grant_lease(self, prompt_tokens: int, received: Received, behaviour: dict[str, Any]) -> dict[str, Any]:
+    def _grant_lease(self, prompt_tokens: int, received: Received, behaviour: VllmBehaviour) -> dict[str, Any]:
         """Hold the prompt's blocks for a consumer and describe them. Scripted edits (kv_set,
         kv_remove) apply before the lease is recorded, so a consumer can pull an edited handoff."""
         self._reap_leases()
@@ -491,10 +519,10 @@ async def _chunked_json(pad_bytes: int) -> AsyncIterator[bytes]:
     yield b'"}'
 
 
-def _edit_handoff(handoff: dict[str, Any], behaviour: dict[str, Any]) -> dict[str, Any]:
+def _edit_handoff(handoff: dict[str, Any], behaviour: VllmBehaviour) -> dict[str, Any]:
     edited = dict(handoff)
-    edited.update(behaviour.get("kv_set", {}))
-    for key in behaviour.get("kv_remove", []):
+    edited.update(behaviour.kv_set)
+    for key in behaviour.kv_remove:
         edited.pop(key, None)
     return edited
 

@@ -351,17 +351,19 @@ def test_c28_ipv6_prefill_authority_path_and_query_are_used(ipv6_stack: Stack) -
 
 def test_c29_hop_by_hop_headers_are_stripped_and_semantic_headers_kept(stack: Stack) -> None:
     """C29: the prefill leg keeps authorization, tracing and routing headers, drops hop-by-hop ones;
-    neither engine sees x-prefiller-host-port."""
+    neither engine sees x-prefiller-host-port. The data-parallel rank is the decode engine's: it
+    reaches decode only (the prefill worker's rank is its port)."""
     headers = {"authorization": "Bearer sk-test", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-"
                "b7ad6b7169203331-01", "x-data-parallel-rank": "0", "proxy-authorization": "Basic abc",
                "te": "trailers", "accept-encoding": "gzip", "x-custom": "kept"}
     assert post(stack, CHAT, chat_body(max_tokens=2), **headers).status_code == 200
     prefill = dict(only(stack.prefill.requests())["headers"])
     decode = dict(only(stack.decode.requests())["headers"])
-    for kept in ("authorization", "traceparent", "x-data-parallel-rank", "x-custom", "x-request-id"):
+    for kept in ("authorization", "traceparent", "x-custom", "x-request-id"):
         assert prefill[kept] == decode[kept], kept
-    for dropped in ("proxy-authorization", "te", "x-prefiller-host-port"):
+    for dropped in ("proxy-authorization", "te", "x-prefiller-host-port", "x-data-parallel-rank"):
         assert dropped not in prefill, dropped
+    assert decode["x-data-parallel-rank"] == "0"
     assert prefill["accept-encoding"] == "identity"
     assert "x-prefiller-host-port" not in decode
 

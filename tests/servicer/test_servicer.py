@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import load_settings
-from extproc.emulator.vllm import VllmEmulator
+from extproc.emulator.vllm import VllmBehaviour, VllmEmulator
 from extproc.server import EXT_PROC_SERVICE, ExtProcServer
 
 CHAT = "/v1/chat/completions"
@@ -157,7 +157,7 @@ def test_cancelled_stream_cancels_the_prefill_call_and_releases_its_slot() -> No
     """Envoy resetting the stream mid-prefill cancels the prefill HTTP request (the worker sees the
     connection close), counts the request as cancelled, and frees the in-flight slot."""
     async def test(h: Harness) -> None:
-        h.prefill.control.script.append({"hang": True})
+        h.prefill.control.script.append(VllmBehaviour(hang=True))
         call = h.stub().Process()
         await call.write(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}))
         assert (await call.read()).WhichOneof("response") == "request_headers"
@@ -197,7 +197,7 @@ def test_settings_reach_the_server() -> None:
 @pytest.mark.parametrize("status,expected", [(302, 502), (418, 400), (599, 502), (503, 503)])
 def test_prefill_status_keeps_its_class_in_the_immediate_response(status: int, expected: int) -> None:
     async def test(h: Harness) -> None:
-        h.prefill.control.script.append({"status": status})
+        h.prefill.control.script.append(VllmBehaviour(status=status))
         responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}),
                                      body_message({"messages": [{"role": "user", "content": "x"}]}))
         assert error_of(responses[-1]) == (expected, "prefill_upstream_error")
