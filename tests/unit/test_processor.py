@@ -1,0 +1,314 @@
+"""The processor over an in-memory transport (no sockets): admission, both flows, the background
+prefill's ending however it ends, the decode abort, and upstream's exception table."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import envoy_messages as msg
+from extproc.adapters.base import Adapter, PrefillReply
+from extproc.adapters.sglang import SglangAdapter
+from extproc.adapters.vllm_nixl import VllmNixlAdapter
+from extproc.admission import Admission
+from extproc.background import BackgroundPrefills
+from extproc.errors import Code, PdError
+from extproc.metrics import Metrics, RequestRecord
+from extproc.prefill_target import PrefillTarget
+from extproc.processor import PdProcessor, Pending
+from extproc.transport import Bounds, ResolvedTarget
+from extproc.upstream import Phase, classify
+
+PREFILL = "10.0.0.7:8000"
+DECODE = ResolvedTarget(PrefillTarget("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
+                        ipaddress.ip_address("127.0.0.1"), tls=False)
+HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
+           "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+Answer = PrefillReply | PdError | Callable[[], Awaitable[PrefillReply]]
+
+
+@dataclass
+class Call:
+    method: str
+    target: ResolvedTarget
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes | None
+    bounds: Bounds | None = None
+
+
+@dataclass
+class FakeTransport:
+    """Answers each POST with the next scripted answer (a reply, an error to raise, or a coroutine to
+    await), and records every call."""
+
+    answers: deque[Answer] = field(default_factory=deque)
+    calls: list[Call] = field(default_factory=list)
+
+    async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
+        assert target.ip is not None
+        return ResolvedTarget(target, target.ip)
+
+    async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
+                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> PrefillReply:
+        self.calls.append(Call("POST", target, path, list(headers), body, bounds))
+        answer = self.answers.popleft()
+        if isinstance(answer, PdError):
+            raise answer
+        if isinstance(answer, PrefillReply):
+            return answer
+        return await answer()
+
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
+        self.calls.append(Call("GET", target, path, list(headers), None))
+        answer = self.answers.popleft()
+        assert isinstance(answer, PrefillReply)
+        return answer
+
+    async def aclose(self) -> None:
+        return None
+
+    def posts_to(self, target: ResolvedTarget) -> list[Call]:
+        return [call for call in self.calls if call.method == "POST" and call.target == target]
+
+
+def ok(body: dict[str, Any]) -> PrefillReply:
+    return PrefillReply(200, "application/json", json.dumps(body).encode())
+
+
+@dataclass
+class Rig:
+    processor: PdProcessor
+    transport: FakeTransport
+    admission: Admission
+    metrics: Metrics
+    background: BackgroundPrefills
+
+    def outcomes(self) -> dict[str, float]:
+        return {sample.labels["outcome"]: sample.value for metric in self.metrics.registry.collect()
+                if metric.name == "pd_extproc_requests" for sample in metric.samples
+                if sample.name.endswith("_total")}
+
+
+def rig(adapter: Adapter, limit: int = 4) -> Rig:
+    transport, admission, metrics, background = FakeTransport(), Admission(limit), Metrics(), BackgroundPrefills()
+    processor = PdProcessor(adapter, transport, max_request_bytes=1 << 20, admission=admission, metrics=metrics,
+                            background=background, decode=DECODE, nonce=lambda: 0x1234)
+    return Rig(processor, transport, admission, metrics, background)
+
+
+def head(path: str = "/v1/chat/completions", **headers: str) -> msg.RequestHead:
+    return msg.RequestHead(path, (("x-prefiller-host-port", PREFILL), ("content-type", "application/json"),
+                                  *headers.items()))
+
+
+async def start(r: Rig, body: dict[str, Any]) -> tuple[msg.RequestHead, Pending]:
+    request_head = head()
+    pending = await r.processor.on_headers(request_head)
+    assert isinstance(pending, Pending)
+    return request_head, pending
+
+
+def error_code(response: pb.ProcessingResponse) -> str:
+    assert response.WhichOneof("response") == "immediate_response"
+    code: str = json.loads(response.immediate_response.body)["error"]["code"]
+    return code
+
+
+# --- the sequential flow ---------------------------------------------------------------------------
+
+
+def test_sequential_request_posts_the_derived_body_and_releases_its_slot() -> None:
+    async def run() -> None:
+        r = rig(VllmNixlAdapter())
+        r.transport.answers.append(ok({"id": "x", "kv_transfer_params": HANDOFF}))
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is None
+        decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
+        assert decode_body == {**CHAT_BODY, "kv_transfer_params": HANDOFF}
+        (call,) = r.transport.calls
+        assert json.loads(call.body or b"")["max_tokens"] == 1 and call.path == "/v1/chat/completions"
+        assert r.admission.inflight == 0 and r.outcomes() == {"ok": 1.0}
+
+    asyncio.run(run())
+
+
+def test_a_reserved_field_is_refused_before_admission_and_any_leg() -> None:
+    """Even at the cap: the client's error is the client's, not an overload."""
+    async def run() -> None:
+        r = rig(VllmNixlAdapter(), limit=1)
+        request_head, pending = await start(r, CHAT_BODY)
+        r.admission.enter()  # the one slot is taken
+        body = json.dumps({**CHAT_BODY, "kv_transfer_params": {"do_remote_decode": True}}).encode()
+        outcome = await r.processor.on_body(request_head, pending, body)
+        assert error_code(outcome.response) == "reserved_request_field"
+        assert r.transport.calls == [] and r.admission.inflight == 1
+
+    asyncio.run(run())
+
+
+def test_a_full_cap_sheds_at_the_head_with_retry_after() -> None:
+    async def run() -> None:
+        r = rig(VllmNixlAdapter(), limit=1)
+        r.admission.enter()
+        response = await r.processor.on_headers(head())
+        assert isinstance(response, pb.ProcessingResponse) and error_code(response) == "pd_overloaded"
+        headers = {h.header.key: h.header.raw_value for h in response.immediate_response.headers.set_headers}
+        assert headers["retry-after"] == b"1" and r.transport.calls == []
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_sequential_request_releases_its_slot_and_is_counted_cancelled() -> None:
+    async def run() -> None:
+        r = rig(VllmNixlAdapter())
+        sent, never = asyncio.Event(), asyncio.Event()
+
+        async def hang() -> PrefillReply:
+            sent.set()
+            await never.wait()
+            raise AssertionError("unreachable")
+
+        r.transport.answers.append(hang)
+        request_head, pending = await start(r, CHAT_BODY)
+        task = asyncio.ensure_future(r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode()))
+        await sent.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert r.admission.inflight == 0 and r.outcomes() == {"cancelled": 1.0}
+
+    asyncio.run(run())
+
+
+def test_an_upstream_error_is_the_clients_answer_and_decode_gets_nothing() -> None:
+    async def run() -> None:
+        r = rig(VllmNixlAdapter())
+        r.transport.answers.append(PdError(Code.PREFILL_UPSTREAM_TIMEOUT))
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert error_code(outcome.response) == "prefill_upstream_timeout"
+        assert r.transport.posts_to(DECODE) == [] and r.admission.inflight == 0
+
+    asyncio.run(run())
+
+
+# --- the concurrent flow -------------------------------------------------------------------------
+
+
+def sglang_prefill_ok() -> PrefillReply:
+    return ok({"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]})
+
+
+def test_a_background_prefill_holds_its_slot_until_it_ends() -> None:
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        release = asyncio.Event()
+
+        async def later() -> PrefillReply:
+            await release.wait()
+            return sglang_prefill_ok()
+
+        r.transport.answers.append(later)
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is not None and len(r.background) == 1
+        decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
+        assert decode_body["rid"] == "pd-0000000000001234" and decode_body["bootstrap_room"] == 1 + 0x1234
+        assert r.admission.inflight == 1, "the slot is held while the prefill runs"
+        release.set()
+        await outcome.background.task
+        assert r.admission.inflight == 0 and len(r.background) == 0 and r.outcomes() == {"ok": 1.0}
+        (call,) = r.transport.calls
+        assert call.bounds == Bounds(SglangAdapter().prefill_deadline, SglangAdapter().prefill_deadline)
+
+    asyncio.run(run())
+
+
+def test_a_background_prefill_cancelled_before_its_first_step_releases_its_slot() -> None:
+    """The task never runs a line of its own: only the owner's done callback can release the slot."""
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is not None and r.admission.inflight == 1
+        outcome.background.task.cancel()  # before the event loop ever stepped it
+        with pytest.raises(asyncio.CancelledError):
+            await outcome.background.task
+        assert r.transport.calls == [], "the prefill request was never sent"
+        assert r.admission.inflight == 0 and r.outcomes() == {"cancelled": 1.0}
+
+    asyncio.run(run())
+
+
+def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our_error() -> None:
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        r.transport.answers.append(PrefillReply(503, "application/json", b""))
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        handle = outcome.background
+        assert handle is not None
+        # The first abort is lost (decode does not have the request yet), the second ends it.
+        r.transport.answers.append(PrefillReply(200, "text/plain", b""))
+
+        async def second_abort() -> PrefillReply:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
+                r.processor.on_decode_answer(handle, 500)))
+            return PrefillReply(200, "text/plain", b"")
+
+        r.transport.answers.append(second_abort)
+        await handle.task
+        aborts = r.transport.posts_to(DECODE)
+        assert [call.path for call in aborts] == ["/abort_request", "/abort_request"]
+        assert {json.loads(call.body or b"")["rid"] for call in aborts} == {"pd-0000000000001234"}
+        answer = await r.processor.on_decode_answer(handle, 500)
+        assert error_code(answer) == "prefill_upstream_error"
+        assert answer.immediate_response.status.code == 503
+        assert r.admission.inflight == 0 and r.outcomes() == {"prefill_upstream_error": 1.0}
+
+    asyncio.run(run())
+
+
+def test_decode_answering_while_the_prefill_is_fine_is_decodes_answer() -> None:
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        r.transport.answers.append(sglang_prefill_ok())
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is not None
+        answer = await r.processor.on_decode_answer(outcome.background, 200)
+        assert answer.WhichOneof("response") == "response_headers"
+        await outcome.background.task
+        assert r.transport.posts_to(DECODE) == []
+
+    asyncio.run(run())
+
+
+# --- upstream's classification table --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc,phase,code", [
+    (aiohttp.ConnectionTimeoutError(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (aiohttp.ServerTimeoutError(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (aiohttp.ServerTimeoutError(), Phase.BODY, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (TimeoutError(), Phase.BODY, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (ConnectionRefusedError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
+    (aiohttp.ServerDisconnectedError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
+    (aiohttp.ClientPayloadError(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
+    (ConnectionResetError(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
+], ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value))
+def test_upstream_classifies_each_failure_once(exc: BaseException, phase: Phase, code: Code) -> None:
+    assert classify(exc, phase) is code
