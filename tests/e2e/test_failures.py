@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +19,8 @@ import httpx
 import pytest
 
 from extproc.emulator import text
-from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, only, post
 from tests.harness import Stack, WorkerSpec, running_stack
+from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, closed_port, eventually, only, post
 
 pytestmark = pytest.mark.dataplane
 
@@ -46,12 +45,6 @@ def short(short_deadline: Stack) -> Stack:
     short_deadline.reset()
     return short_deadline
 
-
-def closed_port() -> int:
-    """A loopback port with nothing listening on it (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture
@@ -405,11 +398,7 @@ def test_server_down_fails_closed_with_json_503_and_recovers(unix_stack: Stack) 
     with unix_stack.client() as client:
         assert client.post(COMPLETIONS, json={"prompt": "x"}).status_code == 200
     unix_stack.start_server()
-    deadline = time.monotonic() + 20
-    status = 0
-    while time.monotonic() < deadline and status != 200:
-        status = post(unix_stack, CHAT, chat_body(max_tokens=2)).status_code
-    assert status == 200
+    assert eventually(lambda: post(unix_stack, CHAT, chat_body(max_tokens=2)).status_code == 200, within=20)
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(unix_stack: Stack) -> None:
@@ -458,12 +447,7 @@ def test_drain_cancels_what_outlives_the_grace_period(unix_stack: Stack) -> None
 
 
 def _server_logged(stack: Stack, needle: str) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if needle in stack.server_log():
-            return True
-        time.sleep(0.05)
-    return False
+    return eventually(lambda: needle in stack.server_log())
 
 
 def test_a_large_body_does_not_take_the_server_out_of_rotation(stack: Stack) -> None:

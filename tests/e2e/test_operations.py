@@ -8,7 +8,6 @@ import http.server
 import json
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -26,21 +25,11 @@ from extproc import stack as stack_module
 from extproc.config import load_settings
 from extproc.envoy_config import render_yaml
 from extproc.server import EXT_PROC_SERVICE
-from tests.e2e.test_vllm_pd_contract import CHAT, assert_error, chat_body, post
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
+from tests.helpers import CHAT, assert_error, chat_body, eventually, post, scrape
 
 pytestmark = pytest.mark.dataplane
 
-
-def scrape(stack: Stack) -> dict[str, float]:
-    """Metric samples as {"name{labels}": value}."""
-    text = httpx.get(stack.metrics_url + "/metrics", timeout=10).text
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +181,7 @@ def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
             assert await asyncio.to_thread(draining_stack.prefill.wait, "pending")
             assert server.process is not None
             server.process.send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(_wait_for, lambda: _readyz(draining_stack) == 503)
+            assert await asyncio.to_thread(eventually, lambda: _readyz(draining_stack) == 503)
             assert await asyncio.to_thread(health) == health_pb2.HealthCheckResponse.NOT_SERVING
             liveness = await client.get(draining_stack.metrics_url + "/healthz")
             assert liveness.status_code == 200
@@ -210,15 +199,6 @@ def _readyz(stack: Stack) -> int:
     except httpx.HTTPError:
         return 0
 
-
-def _wait_for(condition: Any, within: float = 10) -> bool:
-    """Poll an observable condition until it holds or ``within`` seconds pass."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return bool(condition())
 
 
 class SilentExtProc(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -257,7 +237,7 @@ def test_extproc_message_timeout_is_json_504(tmp_path: Path) -> None:
     envoy = stack_module.EnvoyProcess.launch(envoy_bin(), config, tmp_path)
     try:
         listen = envoy.wait_ready(30)
-        assert _wait_for(lambda: _extproc_healthy(envoy)), "the stand-in must pass Envoy's health check first"
+        assert eventually(lambda: _extproc_healthy(envoy)), "the stand-in must pass Envoy's health check first"
         response = httpx.post(f"http://{listen}{CHAT}", json=chat_body(), timeout=30,
                               headers={"x-prefiller-host-port": "127.0.0.1:9"})
         assert_error(response, 504, "pd_extproc_timeout")
@@ -316,7 +296,7 @@ def test_optional_spans_nest_under_the_client_trace_and_parent_the_prefill_leg(
             response = post(stack, CHAT, chat_body(max_tokens=2),
                             traceparent=f"00-{trace_id}-{client_span}-01")
             assert response.status_code == 200
-            assert _wait_for(lambda: len(collector.spans) >= 2), "spans must reach the collector"
+            assert eventually(lambda: len(collector.spans) >= 2), "spans must reach the collector"
             prefill_parent = dict(stack.prefill.requests()[0]["headers"])["traceparent"].split("-")
     finally:
         collector.close()

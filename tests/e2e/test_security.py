@@ -19,8 +19,8 @@ import trustme
 
 from extproc.errors import SPEC, Code
 from tests.conftest import SUMMARY
-from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, post
 from tests.harness import Stack, Worker, WorkerSpec, running_stack
+from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, post
 
 pytestmark = pytest.mark.dataplane
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,19 @@ import httpx
 import pytest
 
 from extproc.emulator import text
-from tests.e2e.test_vllm_pd_contract import CHAT, COMPLETIONS, assert_error, chat_body, completion_body, only, post
 from tests.harness import Stack, Worker, WorkerSpec, running_stack
+from tests.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    chat_body,
+    completion_body,
+    eventually,
+    only,
+    post,
+    scrape,
+    sse_text,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -66,37 +76,12 @@ def disc(discovering_stack: Stack) -> Stack:
     return discovering_stack
 
 
-def scrape(stack: Stack) -> dict[str, float]:
-    samples = {}
-    for line in httpx.get(stack.metrics_url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
-    """Poll a condition that becomes true after the client's answer (background prefill bookkeeping)."""
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def background_failures(stack: Stack, reason: str) -> float:
     key = f'pd_extproc_background_prefill_failures_total{{adapter="sglang",reason="{reason}"}}'
     return scrape(stack).get(key, 0.0)
 
-
-def sse_content(raw: str, chat: bool) -> tuple[str, list[dict[str, Any]]]:
-    events = [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", "the stream must end with [DONE]"
-    chunks = [json.loads(event) for event in events[:-1]]
-    pieces = [(c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
-              for c in chunks if c.get("choices")]
-    return "".join(pieces), chunks
 
 
 def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -146,7 +131,7 @@ def test_streaming_completion_is_served_by_distinct_prefill_and_decode_workers(
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = response.read().decode()
-    content, chunks = sse_content(raw, path == CHAT)
+    content, chunks = sse_text(raw, path == CHAT)
     prompt = text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
     assert content == "".join(text.generate(prompt, 5))
     prefill, decode = assert_both_roles_took_part(sg)

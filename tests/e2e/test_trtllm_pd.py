@@ -21,7 +21,8 @@ import pytest
 
 from extproc.adapters.trtllm import AUTH_HEADER, PROTOCOL_RC23
 from extproc.emulator import text
-from tests.e2e.test_vllm_pd_contract import (
+from tests.harness import Stack, WorkerSpec, running_stack
+from tests.helpers import (
     CHAT,
     COMPLETIONS,
     assert_error,
@@ -30,8 +31,8 @@ from tests.e2e.test_vllm_pd_contract import (
     completion_body,
     only,
     post,
+    sse_events,
 )
-from tests.harness import Stack, WorkerSpec, running_stack
 
 pytestmark = pytest.mark.dataplane
 
@@ -73,9 +74,6 @@ def trt(trtllm_stack: Stack) -> Stack:
 def prompt_of(path: str, body: dict[str, Any]) -> str:
     return text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
 
-
-def sse_events(raw: str) -> list[str]:
-    return [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
 
 
 def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str, Any]]:

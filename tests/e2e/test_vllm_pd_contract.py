@@ -14,52 +14,22 @@ import pytest
 
 from extproc.emulator import text
 from tests.harness import Stack, WorkerSpec, running_stack
+from tests.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    assert_no_leg_ran,
+    chat_body,
+    completion_body,
+    ext_proc_streams,
+    only,
+    post,
+)
 
 pytestmark = pytest.mark.dataplane
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 PRODUCER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-def chat_body(**extra: Any) -> dict[str, Any]:
-    return {"model": "emulated", "messages": [{"role": "user", "content": "What is a KV cache?"}], **extra}
-
-
-def completion_body(**extra: Any) -> dict[str, Any]:
-    return {"model": "emulated", "prompt": "The KV cache is", **extra}
-
-
-def post(stack: Stack, path: str, body: dict[str, Any] | bytes, **headers: str) -> Any:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    with stack.client() as client:
-        return client.post(path, content=content, headers=stack.pd_headers(**headers))
-
-
-def only(records: list[dict[str, Any]]) -> dict[str, Any]:
-    assert len(records) == 1, f"expected exactly one request, got {len(records)}"
-    return records[0]
-
-
-def ext_proc_streams(stack: Stack) -> int:
-    assert stack.envoy is not None
-    stats = stack.envoy.admin_get("/stats?filter=ext_proc.streams_started").decode()
-    return sum(int(line.rsplit(":", 1)[1]) for line in stats.splitlines() if line.strip())
-
-
-def assert_no_leg_ran(stack: Stack) -> None:
-    assert stack.prefill.requests() == [], "the prefill leg must not run"
-    assert stack.decode.requests() == [], "the decode leg must not run"
-
-
-def assert_error(response: Any, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/json"
-    error: dict[str, Any] = response.json()["error"]
-    assert error["code"] == code
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
 
 
 # --- C01-C03: the three paths -------------------------------------------------------------------

@@ -1,0 +1,100 @@
+"""What the end-to-end tests share: request bodies, posting through the stack, reading what the
+legs received and what our server counted, and waiting for an observable condition."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from extproc.process import free_port
+from tests.harness import Stack
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "emulated", "messages": [{"role": "user", "content": "What is a KV cache?"}], **extra}
+
+
+def completion_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "emulated", "prompt": "The KV cache is", **extra}
+
+
+def post(stack: Stack, path: str, body: dict[str, Any] | bytes, **headers: str) -> Any:
+    """POST through Envoy with the P/D header (the stack's prefill worker unless overridden)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with stack.client() as client:
+        return client.post(path, content=content, headers=stack.pd_headers(**headers))
+
+
+def only(records: list[dict[str, Any]]) -> dict[str, Any]:
+    assert len(records) == 1, f"expected exactly one request, got {len(records)}"
+    return records[0]
+
+
+def assert_no_leg_ran(stack: Stack) -> None:
+    assert stack.prefill.requests() == [], "the prefill leg must not run"
+    assert stack.decode.requests() == [], "the decode leg must not run"
+
+
+def assert_error(response: Any, status: int, code: str) -> dict[str, Any]:
+    """Our documented error shape, with this status and code; returns the error object."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == code
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def ext_proc_streams(stack: Stack) -> int:
+    """How many ext_proc streams Envoy opened to our server so far."""
+    assert stack.envoy is not None
+    stats = stack.envoy.admin_get("/stats?filter=ext_proc.streams_started").decode()
+    return sum(int(line.rsplit(":", 1)[1]) for line in stats.splitlines() if line.strip())
+
+
+def scrape(stack: Stack) -> dict[str, float]:
+    """Our server's metric samples as {"name{labels}": value}."""
+    samples = {}
+    for line in httpx.get(stack.metrics_url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
+    """Poll an observable condition (bookkeeping that finishes after the client's answer) until it
+    holds or ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return bool(condition())
+        time.sleep(0.05)
+    return True
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening on it (bound, then released)."""
+    return free_port()
+
+
+def sse_events(raw: str) -> list[str]:
+    """The data of each server-sent event, in order ("[DONE]" included)."""
+    return [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def sse_text(raw: str, chat: bool) -> tuple[str, list[dict[str, Any]]]:
+    """The streamed text and the JSON chunks of an OpenAI stream that ends with [DONE]."""
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]", "the stream must end with [DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    pieces = [(c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
+              for c in chunks if c.get("choices")]
+    return "".join(pieces), chunks
