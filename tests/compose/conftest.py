@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.compose.commands import BUILD, DOWN, UP
-from tests.compose.project import ComposeProject, brought_up
+from tests.compose.project import BUILD_TIMEOUT, ComposeProject, brought_up
 from tests.conftest import SUMMARY
 
 ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE; vllm is README's walk-through
@@ -21,7 +21,7 @@ ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE; vllm is README's walk-throu
 @pytest.fixture(scope="session")
 def built_image() -> ComposeProject:
     builder = ComposeProject("vllm")
-    ran = builder.run(BUILD)
+    ran = builder.run(BUILD, timeout=BUILD_TIMEOUT)
     SUMMARY.append(f"compose stage: image built in {ran.seconds:.0f} s ({' '.join(ran.argv[-3:])})")
     return builder
 

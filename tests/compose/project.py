@@ -26,7 +26,8 @@ from tests.compose.commands import DOWN, PORT_VARIABLES, Compose, Http
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "pd-extproc"  # the compose file's `name`
 PROJECT_LABEL = f"label=com.docker.compose.project={PROJECT}"  # set by docker compose and podman-compose
-COMMAND_TIMEOUT = 600.0  # a build on a busy 2-core machine; up/stop/down take seconds
+BUILD_TIMEOUT = 900.0  # a cold build on a busy 2-core machine
+COMMAND_TIMEOUT = 120.0  # up/stop/down take seconds; `up` waits forever for a dependency that exited
 READY_TIMEOUT = 120.0
 
 
@@ -58,6 +59,16 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _text(output: str | bytes | None) -> str:
+    """What a timed-out subprocess had printed (bytes even in text mode)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def without_noise(output: str) -> str:
+    """podman without systemd logs an error for every health check it cannot schedule: drop those."""
+    return "\n".join(line for line in output.splitlines() if "systemd connection" not in line)
 
 
 def poll(condition: Callable[[], bool], within: float, what: str) -> None:
@@ -92,12 +103,17 @@ class ComposeProject:
     def run(self, step: Compose, timeout: float = COMMAND_TIMEOUT, check: bool = True) -> Ran:
         argv = (*self.compose, *step.argv)
         started = time.monotonic()
-        result = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout,
-                                check=False)
+        try:
+            result = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout,
+                                    check=False)
+        except subprocess.TimeoutExpired as exc:
+            output = without_noise(_text(exc.stdout) + _text(exc.stderr))
+            raise AssertionError(f"{shlex.join(argv)} did not finish within {timeout:.0f}s:\n{output[-2000:]}\n"
+                                 f"{self.logs()}") from None
         ran = Ran(argv, time.monotonic() - started, result.returncode, result.stdout + result.stderr)
         self.history.append(ran)
         if check and ran.returncode != 0:
-            raise AssertionError(f"{shlex.join(argv)} exited {ran.returncode}:\n{ran.output[-4000:]}")
+            raise AssertionError(f"{shlex.join(argv)} exited {ran.returncode}:\n{without_noise(ran.output)[-4000:]}")
         return ran
 
     def url(self, port: str) -> str:
@@ -161,8 +177,9 @@ class ComposeProject:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             ps = subprocess.run([container_engine(), "ps", "-a", "--filter", PROJECT_LABEL], capture_output=True,
                                 text=True, timeout=60, check=False).stdout
-            logs = self.run(Compose(("logs", "--no-color", "--tail", "30")), timeout=60, check=False).output
-            return f"{ps}\n{logs}"
+            logs = subprocess.run([*self.compose, *Compose(("logs", "--no-color", "--tail", "30")).argv], cwd=REPO,
+                                  env=self.env, capture_output=True, text=True, timeout=60, check=False)
+            return f"{ps}\n{without_noise(logs.stdout + logs.stderr)}"
         return "(no logs)"
 
 
@@ -191,7 +208,24 @@ def refused_probe(project: ComposeProject) -> bool:
     return False
 
 
+def exited(project: ComposeProject) -> list[str]:
+    """Containers of the project that stopped (the compose file has no restart policy)."""
+    return [line for line in project.containers() if line.split(" ", 1)[1].startswith("Exited")]
+
+
 def wait_until_serving(project: ComposeProject) -> None:
+    """Poll each leg until it answers; fail at once, with the logs, if a container exits meanwhile."""
+
+    def serving(check: Callable[[], bool]) -> Callable[[], bool]:
+        def condition() -> bool:
+            if check():
+                return True
+            stopped = exited(project)
+            if stopped:
+                raise AssertionError(f"a container exited: {stopped}\n{project.logs()}")
+            return False
+        return condition
+
     checks: list[tuple[str, Callable[[], bool]]] = [
         ("pd-extproc /readyz", lambda: project.answers("metrics", "/readyz")),
         ("the prefill worker", lambda: project.answers("prefill", "/health")),
@@ -201,6 +235,6 @@ def wait_until_serving(project: ComposeProject) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     for what, check in checks:
         try:
-            poll(check, max(1.0, deadline - time.monotonic()), what)
+            poll(serving(check), max(1.0, deadline - time.monotonic()), what)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{project.logs()}") from None
