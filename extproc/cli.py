@@ -1,4 +1,4 @@
-"""pd-extproc serve | envoy-config | up | emulate."""
+"""pd-extproc serve | envoy-config | envoy | up | emulate."""
 
 from __future__ import annotations
 
@@ -62,6 +62,13 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
 
     sys.stdout.write(render_yaml(_settings(args, environ)))
     return 0
+
+
+def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from extproc import envoy_runner
+
+    settings = load_settings(environ)
+    return envoy_runner.run(settings.envoy_bin, args.envoy_args, settings.drain_timeout)
 
 
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -190,6 +197,11 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
     envoy_config.set_defaults(run=cmd_envoy_config)
+    # Every argument is Envoy's (prefix_chars: none of ours, so `-c FILE` is not parsed here).
+    envoy = commands.add_parser("envoy", help="run Envoy with these arguments; on SIGTERM drain it, then stop it",
+                                add_help=False, prefix_chars="+")
+    envoy.add_argument("envoy_args", nargs=argparse.REMAINDER, help="Envoy's own arguments")
+    envoy.set_defaults(run=cmd_envoy)
     up = commands.add_parser("up", help="run Envoy and the server in the foreground")
     add_arguments(up)
     up.set_defaults(run=cmd_up)

@@ -180,10 +180,6 @@ class EnvoyProcess:
         with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=timeout) as response:
             return bytes(response.read())
 
-    def admin_post(self, path: str) -> None:
-        request = urllib.request.Request(f"http://{self.admin}{path}", method="POST")
-        with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310
-            response.read()
 
     def wait_ready(self, timeout: float) -> str:
         """Wait until Envoy is LIVE; return its listener address ``host:port``."""
@@ -207,10 +203,3 @@ class EnvoyProcess:
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{socket_address['port_value']}"
 
-    def active_requests(self) -> int:
-        stats = self.admin_get("/stats?filter=http.pd_ingress.downstream_rq_active$").decode()
-        for line in stats.splitlines():
-            if line.endswith("downstream_rq_active") or ":" in line:
-                with contextlib.suppress(ValueError):
-                    return int(line.rsplit(":", 1)[1])
-        return 0

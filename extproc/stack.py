@@ -5,15 +5,13 @@ port either configured or picked by the process that binds it and read back from
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc import ready
+from extproc import envoy_runner, ready
 from extproc.config import SPECS, Settings, load_settings
 from extproc.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
 from extproc.envoy_config import render_yaml
@@ -69,7 +67,7 @@ class RunningStack:
         then the workers; ``say`` hears each name as it stops."""
         if self.envoy is not None:
             if grace > 0 and self.envoy.child.alive() and self.envoy.admin:
-                _drain_envoy(self.envoy, grace)
+                envoy_runner.drain(envoy_runner.EnvoyAdmin(self.envoy.admin), grace)
             self.envoy.child.stop()
             if say is not None:
                 say(self.envoy.child.name)
@@ -81,14 +79,6 @@ class RunningStack:
             worker.stop()
             if say is not None:
                 say(worker.name)
-
-
-def _drain_envoy(envoy: EnvoyProcess, grace: float) -> None:
-    with contextlib.suppress(OSError):
-        envoy.admin_post("/drain_listeners?graceful&inboundonly")
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and envoy.active_requests() > 0:
-            time.sleep(0.1)
 
 
 def start_stack(settings: Settings, log_dir: Path, *, workers: Sequence[WorkerSpec] = (),

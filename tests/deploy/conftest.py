@@ -44,12 +44,20 @@ def k8s_settings() -> Settings:
 
 @pytest.fixture(scope="session")
 def compose_settings() -> Settings:
-    return rm.target_settings(rm.COMPOSE_SETTINGS)[0]
+    """What the compose containers read for the default engine (PD_ENGINE=vllm)."""
+    return rm.compose_settings(rm.COMPOSE_ENGINES[0])[0]
 
 
 @pytest.fixture(scope="session")
 def compose() -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load(validate.COMPOSE_FILE.read_text())
+    return body
+
+
+@pytest.fixture(scope="session")
+def compose_gpu() -> dict[str, Any]:
+    """The GPU override file alone (the services it replaces, not the merged project)."""
+    body: dict[str, Any] = yaml.safe_load(validate.COMPOSE_GPU_FILE.read_text())
     return body
 
 

@@ -205,18 +205,29 @@ def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifes
     assert pod["terminationGracePeriodSeconds"] > vllm
 
 
-def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compose: dict[str, Any]) -> None:
+def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compose: dict[str, Any],
+                                                     compose_gpu: dict[str, Any], repo: Path) -> None:
     services = compose["services"]
-    assert manifests.container("pd-decode", "envoy")["image"] == services["envoy"]["image"]
-    assert manifests.container("pd-decode", "pd-extproc")["image"] == services["pd-extproc"]["image"]
+    ours = manifests.container("pd-decode", "pd-extproc")["image"]
+    assert {name: service["image"] for name, service in services.items()} == dict.fromkeys(services, ours)
+    # Compose's Envoy is the one in our image; Kubernetes runs Envoy's own image of the same release.
+    assert manifests.container("pd-decode", "envoy")["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
     for deployment in ("pd-decode", "pd-prefill"):
-        assert manifests.container(deployment, "vllm")["image"] == services["prefill"]["image"]
+        for service in ("prefill", "decode"):
+            assert manifests.container(deployment, "vllm")["image"] == compose_gpu["services"][service]["image"]
 
 
 # ---------------------------------------------------------------------------------------------- Compose
 
+ENGINE_VARIABLE = "${PD_ENGINE:-vllm}"
+
+
 def _compose_args(service: dict[str, Any]) -> dict[str, str]:
     return _args({"args": service["command"]})
+
+
+def _for_engine(text: str, engine: str) -> str:
+    return text.replace(ENGINE_VARIABLE, engine)
 
 
 def _dockerfile_uid(repo: Path) -> int:
@@ -225,19 +236,58 @@ def _dockerfile_uid(repo: Path) -> int:
     return int(match.group(1))
 
 
-def test_compose_envoy_mounts_the_generated_bootstrap(compose: dict[str, Any], repo: Path) -> None:
+def _dockerfile_arg(repo: Path, name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)", (repo / "Dockerfile").read_text(), re.M)
+    assert match, f"ARG {name} not found in the Dockerfile"
+    return match.group(1)
+
+
+def test_the_image_carries_the_envoy_the_tests_run(repo: Path) -> None:
+    assert _dockerfile_arg(repo, "ENVOY_VERSION") == _makefile_envoy_version(repo)
+
+
+def test_the_wheelhouse_holds_the_build_backend_pyproject_names(repo: Path) -> None:
+    requires = re.search(r'^requires = \["(setuptools==[^"]+)"\]', (repo / "pyproject.toml").read_text(), re.M)
+    assert requires, "pyproject.toml's build-system requires one pinned setuptools"
+    match = re.search(r"^BUILD_BACKEND\s*:?=\s*(\S+)", (repo / "Makefile").read_text(), re.M)
+    assert match and match.group(1) == requires.group(1)
+
+
+def test_compose_builds_on_the_dockerfile_default_base(compose: dict[str, Any], repo: Path) -> None:
+    args = compose["services"]["pd-extproc"]["build"]["args"]
+    assert args["PYTHON_IMAGE"] == f"${{PD_BASE_IMAGE:-{_dockerfile_arg(repo, 'PYTHON_IMAGE')}}}"
+    assert args["WHEELS"] == f"${{PD_WHEELS:-{_dockerfile_arg(repo, 'WHEELS')}}}"
+
+
+def test_compose_envoy_mounts_the_generated_bootstrap_of_each_engine(compose: dict[str, Any], repo: Path) -> None:
     envoy = compose["services"]["envoy"]
-    assert f"./{rm.COMPOSE_ENVOY.name}:{ENVOY_CONFIG_PATH}:ro" in envoy["volumes"]
-    assert envoy["command"][:3] == ["envoy", "-c", ENVOY_CONFIG_PATH]
-    assert envoy["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
+    mount = f"./envoy.{ENGINE_VARIABLE}.yaml:{ENVOY_CONFIG_PATH}:ro"
+    assert mount in envoy["volumes"]
+    generated = {target.output for target in rm.TARGETS}
+    for engine in rm.COMPOSE_ENGINES:
+        assert rm.COMPOSE_DIR / _for_engine(mount, engine).split(":")[0] in generated
+    assert envoy["command"][:3] == ["envoy", "-c", ENVOY_CONFIG_PATH]  # `pd-extproc envoy`: the image's entrypoint
     assert int(envoy["user"].split(":")[0]) == _dockerfile_uid(repo)
 
 
-def test_compose_pd_extproc_reads_the_settings_file(compose: dict[str, Any]) -> None:
-    assert compose["services"]["pd-extproc"]["env_file"] == rm.COMPOSE_SETTINGS.name
+def test_compose_pd_extproc_and_envoy_read_the_settings_files(compose: dict[str, Any]) -> None:
+    for name in ("pd-extproc", "envoy"):
+        files = compose["services"][name]["env_file"]
+        for engine in rm.COMPOSE_ENGINES:
+            assert [rm.COMPOSE_DIR / _for_engine(f, engine) for f in files] == [
+                rm.COMPOSE_SETTINGS, rm.compose_engine_settings(engine)]
 
 
-def test_compose_shares_the_decode_namespace_and_the_socket(compose: dict[str, Any],
+def test_compose_emulators_are_the_engine_the_adapter_speaks(compose: dict[str, Any]) -> None:
+    for name in ("prefill", "decode"):
+        service = compose["services"][name]
+        assert service["command"][0] == "emulate"
+        assert _compose_args(service)["--engine"] == ENGINE_VARIABLE
+        assert _compose_args(service)["--role"] == name
+    assert set(rm.COMPOSE_ENGINES) == {"vllm", "sglang", "trtllm"}  # pd-extproc emulate --engine choices
+
+
+def test_compose_shares_the_decode_namespace_and_the_socket(compose: dict[str, Any], compose_gpu: dict[str, Any],
                                                              compose_settings: Settings) -> None:
     services = compose["services"]
     for name in ("envoy", "pd-extproc"):
@@ -245,26 +295,40 @@ def test_compose_shares_the_decode_namespace_and_the_socket(compose: dict[str, A
         assert f"extproc-socket:{_socket_dir(compose_settings)}" in services[name]["volumes"]
     published = {int(p.rsplit(":", 1)[1]) for p in services["decode"]["ports"]}
     assert published == {compose_settings.listen.port, compose_settings.metrics_listen.port}
-    args = _compose_args(services["decode"])
-    assert (args["--host"], int(args["--port"])) == (compose_settings.decode.host, compose_settings.decode.port)
-    assert json.loads(args["--kv-transfer-config"])["kv_load_failure_policy"] == "fail"
+    decode = compose_settings.decode
+    assert _compose_args(services["decode"])["--listen"] == f"{decode.host}:{decode.port}"
+    gpu_args = _compose_args(compose_gpu["services"]["decode"])
+    assert (gpu_args["--host"], int(gpu_args["--port"])) == (decode.host, decode.port)
+    assert json.loads(gpu_args["--kv-transfer-config"])["kv_load_failure_policy"] == "fail"
 
 
-def test_compose_prefill_is_the_one_allowed_target(compose: dict[str, Any], compose_settings: Settings) -> None:
+def test_compose_prefill_is_the_one_allowed_target(compose: dict[str, Any], compose_gpu: dict[str, Any],
+                                                   compose_settings: Settings) -> None:
+    from tests.compose.commands import PREFILL_TARGET
+
     prefill = compose["services"]["prefill"]
     address = ipaddress.ip_address(prefill["networks"]["pd"]["ipv4_address"])
-    port = int(_compose_args(prefill)["--port"])
+    port = int(_compose_args(prefill)["--listen"].rsplit(":", 1)[1])
+    assert int(_compose_args(compose_gpu["services"]["prefill"])["--port"]) == port
+    assert f"{address}:{port}" == PREFILL_TARGET  # what README's P/D request names
     policy = PrefillPolicy(compose_settings.prefill_allow)
     assert policy.allows_address(address, port)
     assert not policy.allows_address(address, port + 1)
-    assert not policy.allows_address(ipaddress.ip_address("172.28.0.20"), port)  # decode itself
+    decode_address = ipaddress.ip_address(compose["services"]["decode"]["networks"]["pd"]["ipv4_address"])
+    assert not policy.allows_address(decode_address, port)  # decode itself
+    side_host, side_port = _compose_args(prefill)["--side-channel"].rsplit(":", 1)
+    assert ipaddress.ip_address(side_host) == address  # advertised in the handoff: must be reachable from decode
     for name in ("prefill", "decode"):
-        service = compose["services"][name]
-        assert service["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == service["networks"]["pd"]["ipv4_address"]
+        gpu_env = compose_gpu["services"][name]["environment"]
+        assert gpu_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == compose["services"][name]["networks"]["pd"]["ipv4_address"]
+    assert rm.compose_settings("sglang")[0].value("sglang_bootstrap_port") == int(side_port)
     assert address in ipaddress.ip_network(compose["networks"]["pd"]["ipam"]["config"][0]["subnet"])
-    assert f'172.28.0.10:{port}' in rm.COMPOSE_ENVOY.parent.joinpath("docker-compose.yaml").read_text()
+    assert f"{address}:{port}" in (rm.COMPOSE_DIR / "docker-compose.yaml").read_text()  # its usage comment
 
 
-def test_compose_gives_pd_extproc_time_to_drain(compose: dict[str, Any], compose_settings: Settings) -> None:
-    grace = compose["services"]["pd-extproc"]["stop_grace_period"]
-    assert grace.endswith("s") and int(grace[:-1]) > compose_settings.drain_timeout
+def test_compose_gives_envoy_and_pd_extproc_time_to_drain(compose: dict[str, Any]) -> None:
+    for engine in rm.COMPOSE_ENGINES:
+        settings = rm.compose_settings(engine)[0]
+        for name in ("envoy", "pd-extproc"):
+            grace = compose["services"][name]["stop_grace_period"]
+            assert grace.endswith("s") and int(grace[:-1]) > settings.drain_timeout

@@ -29,20 +29,23 @@ def test_generated_file_is_current(path: Path) -> None:
         + rm.diff(path, expected))
 
 
-def _cli_envoy_config(settings_file: Path, capsys: pytest.CaptureFixture[str]) -> str:
+def _cli_envoy_config(capsys: pytest.CaptureFixture[str], *settings_files: Path) -> str:
     capsys.readouterr()
-    assert cli.main(["envoy-config"], environ=read_env_file(settings_file)) == 0
+    environ = {name: value for path in settings_files for name, value in read_env_file(path).items()}
+    assert cli.main(["envoy-config"], environ=environ) == 0
     return capsys.readouterr().out
 
 
-def test_compose_mounts_what_pd_extproc_envoy_config_prints(capsys: pytest.CaptureFixture[str]) -> None:
-    assert rm.COMPOSE_ENVOY.read_text() == _cli_envoy_config(rm.COMPOSE_SETTINGS, capsys)
+@pytest.mark.parametrize("engine", rm.COMPOSE_ENGINES)
+def test_compose_mounts_what_pd_extproc_envoy_config_prints(engine: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rm.compose_envoy(engine).read_text() == _cli_envoy_config(
+        capsys, rm.COMPOSE_SETTINGS, rm.compose_engine_settings(engine))
 
 
 def test_k8s_envoy_configmap_is_what_pd_extproc_envoy_config_prints(capsys: pytest.CaptureFixture[str]) -> None:
     docs = list(yaml.safe_load_all(rm.K8S_CONFIG.read_text()))
     envoy = next(d for d in docs if d["metadata"]["name"] == rm.ENVOY_CONFIGMAP)
-    assert envoy["data"][rm.ENVOY_CONFIG_KEY] == _cli_envoy_config(rm.K8S_SETTINGS, capsys)
+    assert envoy["data"][rm.ENVOY_CONFIG_KEY] == _cli_envoy_config(capsys, rm.K8S_SETTINGS)
 
 
 def test_settings_configmap_is_the_settings_file() -> None:
@@ -51,11 +54,21 @@ def test_settings_configmap_is_the_settings_file() -> None:
     assert settings["data"] == read_env_file(rm.K8S_SETTINGS)
 
 
-@pytest.mark.parametrize("settings_file", [rm.COMPOSE_SETTINGS, rm.K8S_SETTINGS], ids=["compose", "k8s"])
-def test_settings_files_use_only_known_settings(settings_file: Path) -> None:
+@pytest.mark.parametrize("target", rm.TARGETS, ids=lambda t: t.name)
+def test_settings_files_use_only_known_settings(target: rm.Target) -> None:
     known = {spec.env for spec in SPECS}
-    assert set(read_env_file(settings_file)) <= known
-    rm.target_settings(settings_file)  # and pd-extproc accepts every value
+    for path in target.settings_files:
+        assert set(read_env_file(path)) <= known
+    rm.target_settings(*target.settings_files)  # and pd-extproc accepts every value
+
+
+def test_each_compose_engine_file_names_its_adapter_and_nothing_the_shared_file_sets() -> None:
+    shared = read_env_file(rm.COMPOSE_SETTINGS)
+    assert "PD_EXTPROC_ADAPTER" not in shared
+    for engine in rm.COMPOSE_ENGINES:
+        own = read_env_file(rm.compose_engine_settings(engine))
+        assert not set(own) & set(shared), f"engine.{engine}.env repeats a shared setting"
+        assert own["PD_EXTPROC_ADAPTER"] == {"vllm": "vllm_nixl"}.get(engine, engine)
 
 
 def test_the_settings_the_manifests_rely_on_exist() -> None:
@@ -81,7 +94,8 @@ def test_a_changed_setting_makes_the_rendered_config_stale(tmp_path: Path) -> No
     settings_file = tmp_path / "pd-extproc.env"
     settings_file.write_text(rm.COMPOSE_SETTINGS.read_text().replace("PD_EXTPROC_LISTEN=0.0.0.0:8000",
                                                                       "PD_EXTPROC_LISTEN=0.0.0.0:8001"))
-    expected = rm.rendered([rm.Target("planted", settings_file, rm.render_compose)])
+    expected = rm.rendered([rm.Target("planted", (settings_file, rm.compose_engine_settings("vllm")),
+                                      rm.COMPOSE_ENVOY, rm.render_compose)])
     assert rm.stale(expected) == [rm.COMPOSE_ENVOY]
 
 

@@ -37,7 +37,7 @@ ENVOY_PLANTS = {
 
 
 @pytest.mark.parametrize("plant", sorted(ENVOY_PLANTS))
-@pytest.mark.parametrize("label", ["envoy/envoy.yaml", "k8s"])
+@pytest.mark.parametrize("label", ["envoy/envoy.vllm.yaml", "k8s"])
 def test_envoy_validate_rejects_a_planted_error(label: str, plant: str) -> None:
     configs = validate.envoy_configs()
     text = next(t for name, t in configs.items() if name.startswith(label))
@@ -57,34 +57,55 @@ def _set(path: tuple[str, ...], value: Any) -> Mutation:
     return mutate
 
 
-COMPOSE_PLANTS: dict[str, Mutation] = {
-    "unknown service key": _set(("services", "envoy", "imagee"), "envoyproxy/envoy:v1.40.0"),
-    "duration as a number": _set(("services", "prefill", "healthcheck", "interval"), 10),
-    "gpu capabilities not a list": _set(("services", "prefill", "deploy", "resources", "reservations", "devices"),
-                                        [{"driver": "nvidia", "capabilities": "gpu"}]),
-    "network_mode not a string": _set(("services", "envoy", "network_mode"), ["service:decode"]),
+COMPOSE_PLANTS: dict[str, tuple[Path, Mutation]] = {
+    "unknown service key": (validate.COMPOSE_FILE, _set(("services", "envoy", "imagee"), "pd-extproc:0.1.0")),
+    "duration as a number": (validate.COMPOSE_FILE, _set(("services", "prefill", "healthcheck", "interval"), 10)),
+    "network_mode not a string": (validate.COMPOSE_FILE, _set(("services", "envoy", "network_mode"),
+                                                              ["service:decode"])),
+    "gpu capabilities not a list": (validate.COMPOSE_GPU_FILE, _set(
+        ("services", "prefill", "deploy", "resources", "reservations", "devices"),
+        [{"driver": "nvidia", "capabilities": "gpu"}])),
 }
 
 
 @pytest.mark.parametrize("plant", sorted(COMPOSE_PLANTS))
 def test_compose_schema_rejects_a_planted_error(plant: str) -> None:
-    body = yaml.safe_load(validate.COMPOSE_FILE.read_text())
-    COMPOSE_PLANTS[plant](body)
+    path, mutate = COMPOSE_PLANTS[plant]
+    body = yaml.safe_load(path.read_text())
+    mutate(body)
     assert validate.compose_schema_problems(body) != []
+
+
+def _compose_copy(tmp_path: Path) -> Path:
+    """envoy/ with what docker-compose.yaml reads (the settings files, the bootstraps)."""
+    for path in validate.COMPOSE_FILE.parent.iterdir():
+        if path.suffix in (".yaml", ".env"):
+            shutil.copy(path, tmp_path / path.name)
+    return tmp_path / validate.COMPOSE_FILE.name
 
 
 @pytest.mark.parametrize(("old", "new"), [
     ("network_mode: service:decode", "network_mode: service:decoder"),  # an undefined service
-    ("    image: envoyproxy/envoy:v1.40.0", "    imagee: envoyproxy/envoy:v1.40.0"),
+    ('    user: "10001:10001"', '    usr: "10001:10001"'),
+    ("engine.${PD_ENGINE:-vllm}.env", "engine.${PD_ENGINE:-vlm}.env"),  # a settings file that does not exist
 ])
 def test_docker_compose_config_rejects_a_planted_error(tmp_path: Path, old: str, new: str) -> None:
-    for name in ("envoy.yaml", "pd-extproc.env"):
-        shutil.copy(validate.COMPOSE_FILE.parent / name, tmp_path / name)
-    text = validate.COMPOSE_FILE.read_text()
+    planted = _compose_copy(tmp_path)
+    text = planted.read_text()
     assert old in text
-    planted = tmp_path / "docker-compose.yaml"
     planted.write_text(text.replace(old, new, 1))
     assert validate.compose_tool_problems(planted) != []
+
+
+def test_docker_compose_config_rejects_an_unknown_engine() -> None:
+    assert validate.compose_tool_problems(validate.COMPOSE_FILE, env={"PD_ENGINE": "tgi"}) != []
+
+
+def test_docker_compose_config_rejects_a_planted_error_in_the_gpu_override(tmp_path: Path) -> None:
+    compose = _compose_copy(tmp_path)
+    gpu = tmp_path / validate.COMPOSE_GPU_FILE.name
+    gpu.write_text(gpu.read_text().replace("  ipc: host", "  ipc: [host]", 1))
+    assert validate.compose_tool_problems(compose, gpu) != []
 
 
 # ----------------------------------------------------------------------------------- core Kubernetes

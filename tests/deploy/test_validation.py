@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
 from deploy import dockerfile_lint, tools, validate
+from deploy import render_manifests as rm
 from deploy.schemas.extract_compose_schema import embedded_schema
 
 pytestmark = pytest.mark.deploy
@@ -22,7 +24,7 @@ def k8s_report() -> dict[str, list[str]]:
 
 
 def test_envoy_configs_are_found_in_compose_and_k8s() -> None:
-    assert "envoy/envoy.yaml" in ENVOY_CONFIGS
+    assert {f"envoy/envoy.{engine}.yaml" for engine in rm.COMPOSE_ENGINES} <= set(ENVOY_CONFIGS)
     assert any(label.startswith("k8s/") for label in ENVOY_CONFIGS)
 
 
@@ -31,12 +33,18 @@ def test_envoy_config_passes_envoy_validate(label: str) -> None:
     assert validate.envoy_problems(ENVOY_CONFIGS[label]) == []
 
 
-def test_compose_file_matches_the_compose_spec_schema() -> None:
-    assert validate.compose_schema_problems(yaml.safe_load(validate.COMPOSE_FILE.read_text())) == []
+@pytest.mark.parametrize("path", [validate.COMPOSE_FILE, validate.COMPOSE_GPU_FILE], ids=lambda p: p.name)
+def test_compose_file_matches_the_compose_spec_schema(path: Path) -> None:
+    assert validate.compose_schema_problems(yaml.safe_load(path.read_text())) == []
 
 
-def test_compose_file_passes_docker_compose_config() -> None:
-    assert validate.compose_tool_problems(validate.COMPOSE_FILE) == []
+@pytest.mark.parametrize("engine", rm.COMPOSE_ENGINES)
+def test_compose_file_passes_docker_compose_config(engine: str) -> None:
+    assert validate.compose_tool_problems(validate.COMPOSE_FILE, env={"PD_ENGINE": engine}) == []
+
+
+def test_compose_file_with_the_gpu_override_passes_docker_compose_config() -> None:
+    assert validate.compose_tool_problems(validate.COMPOSE_FILE, validate.COMPOSE_GPU_FILE) == []
 
 
 def test_committed_compose_schema_is_the_one_docker_compose_embeds() -> None:

@@ -1,0 +1,17 @@
+"""README's Docker Compose walk-through is, command for command, what the compose stage runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.compose.commands import README_BEGIN, README_END, readme_block
+from tests.compose.project import REPO
+
+pytestmark = pytest.mark.deploy
+
+
+def test_readme_shows_the_commands_the_compose_stage_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert readme.count(README_BEGIN) == 1 and readme.count(README_END) == 1
+    shown = readme.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+    assert shown == readme_block(), "README's compose block differs from tests/compose/commands.py"
