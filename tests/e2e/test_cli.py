@@ -159,6 +159,21 @@ def test_up_refuses_a_port_that_is_taken() -> None:
     assert f"127.0.0.1:{port} (listen) is already in use" in err
 
 
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_a_taken_metrics_port_is_one_clear_line(command: str) -> None:
+    """It used to end in a traceback ("Event loop is closed") when 9190 was taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        process = extproc(command, "--metrics-listen", f"127.0.0.1:{port}", "--grpc-listen", "127.0.0.1:0",
+                          "--listen", "127.0.0.1:0", "--decode", "127.0.0.1:9")
+        _, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert f"127.0.0.1:{port} (metrics_listen)" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_up_says_clearly_when_envoy_is_missing() -> None:
     process = extproc("up", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy")
     _, err = process.communicate(timeout=60)

@@ -1,0 +1,150 @@
+"""The claims every adapter shares, one suite run over the three engines (each on its own emulated
+workers, through a real Envoy and our server): the three paths, refusals before any leg with their
+documented codes, the prefill leg's failures, and which headers each leg sees.
+
+What each engine does beyond these (vLLM's C01-C30 matrix, SGLang's rendezvous and abort,
+TensorRT-LLM's signing and direct answers) is in test_vllm_pd_contract.py, test_sglang_pd.py and
+test_trtllm_pd.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import Stack, WorkerSpec, running_stack
+from tests.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    assert_no_leg_ran,
+    chat_body,
+    closed_port,
+    completion_body,
+    eventually,
+    ext_proc_streams,
+    only,
+    post,
+)
+
+pytestmark = pytest.mark.dataplane
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    adapter: str
+    engine: str
+    reserved: tuple[str, Any]  # a field the route owns, with a client value it refuses
+    worker_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+CASES = [
+    EngineCase("vllm_nixl", "vllm", ("kv_transfer_params", {"do_remote_prefill": True})),
+    EngineCase("sglang", "sglang", ("bootstrap_room", 7), ("--kv-timeout", "60s"),
+               (("PD_EXTPROC_SGLANG_BOOTSTRAP_PORT", "discover"),)),
+    EngineCase("trtllm", "trtllm", ("disaggregated_params", {"request_type": "generation_only"})),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[case.adapter for case in CASES])
+def engine_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    case: EngineCase = request.param
+    env = {"PD_EXTPROC_ADAPTER": case.adapter, **dict(case.env)}
+    args = case.worker_args
+    if case.adapter == "trtllm":  # the default pin signs: one key for our server and both workers
+        key = Path(tmp_path_factory.mktemp("key")) / "internal.key"
+        key.write_text("contract-suite-key\n")
+        env["PD_EXTPROC_TRTLLM_AUTH_KEY_FILE"] = str(key)
+        args = (*args, "--auth-key-file", str(key))
+    workers = (WorkerSpec("prefill", "prefill", engine=case.engine, args=args),
+               WorkerSpec("decode", "decode", engine=case.engine, args=args))
+    with running_stack(env, workers) as stack:
+        yield stack
+
+
+@pytest.fixture
+def stack(engine_stack: Stack) -> Stack:
+    engine_stack.reset()
+    return engine_stack
+
+
+def case_of(stack: Stack) -> EngineCase:
+    return next(case for case in CASES if case.adapter == stack.settings.adapter)
+
+
+# --- the paths -------------------------------------------------------------------------------------
+
+
+def test_a_request_without_the_header_passes_through_without_calling_us(stack: Stack) -> None:
+    raw = b'{"model": "emulated",  "prompt": "hi", "max_tokens": 3}'
+    streams = ext_proc_streams(stack)
+    with stack.client() as client:
+        client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert stack.decode.raw_body(only(stack.decode.requests())["seq"]) == raw, "decode gets the client's bytes"
+    assert stack.prefill.requests() == [], "the prefill leg must not run"
+    assert ext_proc_streams(stack) == streams, "our server must not be called"
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=4)), (COMPLETIONS, completion_body(max_tokens=4))],
+                         ids=["chat", "completions"])
+def test_a_pd_request_runs_one_prefill_and_one_decode_leg(stack: Stack, path: str, body: dict[str, Any]) -> None:
+    response = post(stack, path, body, **{"x-request-id": "0b1e2d3c-aaaa-bbbb-cccc-000000000002"})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-emulator-worker"] == "decode"
+    assert eventually(lambda: len(stack.prefill.requests()) == 1 and stack.prefill.requests()[0]["status"] == 200)
+    prefill, decode = only(stack.prefill.requests()), only(stack.decode.requests())
+    for leg in (prefill, decode):
+        headers = dict(leg["headers"])
+        assert "x-prefiller-host-port" not in headers, "the routing header reaches no engine"
+        assert headers["x-request-id"] == "0b1e2d3c-aaaa-bbbb-cccc-000000000002", "one request id on both legs"
+    assert prefill["json"]["stream"] is False, "the prefill leg is one JSON answer"
+    for name, value in body.items():
+        if name not in ("max_tokens", "prompt"):
+            assert decode["json"][name] == value, f"decode keeps the client's {name}"
+
+
+# --- refused before any leg ------------------------------------------------------------------------
+
+
+def refusals(case: EngineCase) -> list[tuple[str, dict[str, str], bytes, int, str]]:
+    field, value = case.reserved
+    return [
+        ("n", {}, json.dumps(chat_body(n=2)).encode(), 400, "unsupported_pd_variant"),
+        ("not-json", {}, b'{"model": ', 400, "invalid_request_body"),
+        ("bad-field", {}, json.dumps(chat_body(max_tokens=0)).encode(), 400, "invalid_request_field"),
+        ("reserved", {}, json.dumps(chat_body(**{field: value})).encode(), 400, "reserved_request_field"),
+        ("bad-header", {"x-prefiller-host-port": "10.0.0.1:8000,10.0.0.2:8000"}, json.dumps(chat_body()).encode(),
+         400, "invalid_prefill_target"),
+        ("link-local", {"x-prefiller-host-port": "169.254.169.254:80"}, json.dumps(chat_body()).encode(),
+         403, "prefill_target_forbidden"),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["n", "not-json", "bad-field", "reserved", "bad-header", "link-local"])
+def test_refusals_have_their_documented_code_and_no_leg_runs(stack: Stack, kind: str) -> None:
+    name, headers, body, status, code = next(r for r in refusals(case_of(stack)) if r[0] == kind)
+    error = assert_error(post(stack, CHAT, body, **headers), status, code)
+    if name == "reserved":
+        assert error["param"] == case_of(stack).reserved[0]
+    assert_no_leg_ran(stack)
+
+
+# --- the prefill leg fails ---------------------------------------------------------------------------
+
+
+def test_an_unreachable_prefill_worker_is_502_whatever_the_engine(stack: Stack) -> None:
+    response = post(stack, CHAT, chat_body(max_tokens=3), **{"x-prefiller-host-port": f"127.0.0.1:{closed_port()}"})
+    assert_error(response, 502, "prefill_upstream_unavailable")
+    assert stack.prefill.requests() == []
+
+
+def test_a_prefill_error_status_keeps_its_status(stack: Stack) -> None:
+    stack.prefill.script({"status": 503})
+    assert_error(post(stack, COMPLETIONS, completion_body(max_tokens=3)), 503, "prefill_upstream_error")
+    assert only(stack.prefill.requests())["status"] == 503
