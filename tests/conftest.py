@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -21,20 +21,25 @@ def pd() -> Iterator[Stack]:
 @pytest.fixture
 def stack(pd: Stack) -> Stack:
     """The default stack with both workers' records and scripts cleared."""
-    pd.reset()
-    return pd
+    return pd.reset()
+
+
+T = TypeVar("T")
+
+
+def failed_with(item: pytest.Item, report: pytest.TestReport, kind: type[T]) -> T | None:
+    """The first fixture of type ``kind`` a failed test used (for its logs in the report), else None."""
+    if report.when != "call" or not report.failed:
+        return None
+    return next((value for value in getattr(item, "funcargs", {}).values() if isinstance(value, kind)), None)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
-    if report.when == "call" and report.failed:
-        for name in ("stack", "short", "unix_stack", "adapter_none", "no_decode", "ipv6_stack", "trap_stack",
-                     "pd", "short_deadline", "target_stack"):
-            fixture = getattr(item, "funcargs", {}).get(name)
-            if isinstance(fixture, Stack):
-                report.sections.append((f"logs of {name}", fixture.logs()))
-                break
+    stack = failed_with(item, report, Stack)
+    if stack is not None:
+        report.sections.append(("logs of the stack", stack.logs()))
     return report
 
 

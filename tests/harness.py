@@ -23,7 +23,7 @@ from extproc.emulator.worker import EmulatedWorker, WorkerSpec
 from extproc.stack import RunningStack, start_stack
 from extproc.units import parse_address
 
-__all__ = ["REPO", "TEST_DEFAULTS", "Stack", "Worker", "WorkerSpec", "envoy_bin", "running_stack"]
+__all__ = ["REPO", "TEST_DEFAULTS", "Stack", "Worker", "WorkerSpec", "engine_workers", "envoy_bin", "running_stack"]
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 90  # seconds a child may take to start on a loaded 2-core CI machine
@@ -33,7 +33,15 @@ TEST_DEFAULTS = {
     "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0",
 }
 Worker = EmulatedWorker
-DEFAULT_WORKERS = (WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode"))
+
+
+def engine_workers(engine: str = "vllm", args: tuple[str, ...] = ()) -> tuple[WorkerSpec, WorkerSpec]:
+    """An emulated prefill and decode worker of one engine, both with ``args``."""
+    return (WorkerSpec("prefill", "prefill", engine=engine, args=args),
+            WorkerSpec("decode", "decode", engine=engine, args=args))
+
+
+DEFAULT_WORKERS = engine_workers()
 
 
 def envoy_bin() -> str:
@@ -44,39 +52,13 @@ def envoy_bin() -> str:
     return str(local) if local.exists() else "envoy"
 
 
-class Stack:
-    """A running stack as a test uses it: the processes, plus clients and helpers."""
+@dataclasses.dataclass
+class Stack(RunningStack):
+    """A running stack as a test uses it: the processes (RunningStack), plus clients and helpers."""
 
-    def __init__(self, running: RunningStack) -> None:
-        self.running = running
-
-    @property
-    def settings(self) -> Any:
-        return self.running.settings
-
-    @property
-    def log_dir(self) -> Path:
-        return self.running.log_dir
-
-    @property
-    def workers(self) -> dict[str, EmulatedWorker]:
-        return self.running.workers
-
-    @property
-    def server(self) -> Any:
-        return self.running.server
-
-    @property
-    def envoy(self) -> Any:
-        return self.running.envoy
-
-    @property
-    def url(self) -> str:
-        return self.running.url
-
-    @property
-    def metrics_url(self) -> str:
-        return self.running.metrics_url
+    @classmethod
+    def of(cls, running: RunningStack) -> Stack:
+        return cls(**{field.name: getattr(running, field.name) for field in dataclasses.fields(RunningStack)})
 
     @property
     def prefill(self) -> EmulatedWorker:
@@ -93,9 +75,11 @@ class Stack:
         return {"content-type": "application/json",
                 "x-prefiller-host-port": (prefill or self.prefill).address, **extra}
 
-    def reset(self) -> None:
+    def reset(self) -> Stack:
+        """Clear every worker's records and script; the stack itself, for fixtures."""
         for worker in self.workers.values():
             worker.reset()
+        return self
 
     def logs(self) -> str:
         parts = []
@@ -108,11 +92,8 @@ class Stack:
         assert self.server is not None
         return str(self.server.log_path.read_text(errors="replace"))
 
-    def start_server(self) -> None:
-        self.running.start_server(READY_TIMEOUT)
-
-    def stop(self) -> None:
-        self.running.stop()
+    def start_server(self, ready_timeout: float = READY_TIMEOUT) -> None:
+        super().start_server(ready_timeout)
 
 
 @contextlib.contextmanager
@@ -130,10 +111,10 @@ def running_stack(env: Mapping[str, str] | None = None, workers: tuple[WorkerSpe
         listen=parse_address("127.0.0.1:0", allow_port_zero=True),
         envoy_admin=parse_address("127.0.0.1:0", allow_port_zero=True),
     )
-    running = start_stack(settings, log_dir, workers=workers, env_from_workers=env_from_workers,
-                          grpc_unix=grpc_unix, ready_timeout=READY_TIMEOUT)
+    running = Stack.of(start_stack(settings, log_dir, workers=workers, env_from_workers=env_from_workers,
+                                   grpc_unix=grpc_unix, ready_timeout=READY_TIMEOUT))
     try:
-        yield Stack(running)
+        yield running
     finally:
         running.stop()
         if os.environ.get("PD_TEST_KEEP_LOGS") is None:

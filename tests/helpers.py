@@ -25,11 +25,32 @@ def completion_body(**extra: Any) -> dict[str, Any]:
     return {"model": "emulated", "prompt": "The KV cache is", **extra}
 
 
+def both_endpoints(**extra: Any) -> Any:
+    """Parametrize a test over a chat and a completions request with these extra fields."""
+    import pytest
+
+    return pytest.mark.parametrize("path,body", [(CHAT, chat_body(**extra)), (COMPLETIONS, completion_body(**extra))],
+                                   ids=["chat", "completions"])
+
+
 def post(stack: Stack, path: str, body: dict[str, Any] | bytes, **headers: str) -> Any:
     """POST through Envoy with the P/D header (the stack's prefill worker unless overridden)."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     with stack.client() as client:
         return client.post(path, content=content, headers=stack.pd_headers(**headers))
+
+
+def stream(stack: Stack, path: str, body: dict[str, Any], **headers: str) -> tuple[Any, bytes]:
+    """POST a streaming request through Envoy; the response (read) and its raw body bytes, as sent."""
+    with stack.client() as client, client.stream("POST", path, content=json.dumps(body),
+                                                 headers=stack.pd_headers(**headers)) as response:
+        raw = b"".join(response.iter_raw())
+    return response, raw
+
+
+def assert_event_stream(response: Any) -> None:
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
 
 
 def only(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,3 +119,23 @@ def sse_text(raw: str, chat: bool) -> tuple[str, list[dict[str, Any]]]:
     pieces = [(c["choices"][0]["delta"].get("content") or "") if chat else c["choices"][0]["text"]
               for c in chunks if c.get("choices")]
     return "".join(pieces), chunks
+
+
+def assert_distinct_workers(stack: Stack, engine: str) -> None:
+    """The two legs were served by the stack's own prefill and decode workers of ``engine``."""
+    infos = [worker.info() for worker in (stack.prefill, stack.decode)]
+    assert [(i["engine"], i["role"], i["worker_id"]) for i in infos] == [
+        (engine, "prefill", "prefill"), (engine, "decode", "decode")]
+
+
+def assert_served_by_decode(response: Any) -> None:
+    assert response.status_code == 200, response.text
+    assert response.headers["x-emulator-worker"] == "decode"
+
+
+def client_request(path: str, body: dict[str, Any] | bytes) -> Any:
+    """A validated ClientRequest, as the processor hands it to an adapter."""
+    from extproc.openai_request import parse_client_request
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_client_request(path, "application/json", raw, 1 << 20)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 
 from extproc.emulator import text
 from extproc.emulator.behaviour import Behaviour
@@ -47,6 +48,15 @@ async def misbehave(behaviour: Behaviour, error: Callable[[int, str], Response])
     if behaviour.close:
         return RawResponse(_close_at_once)
     return None
+
+
+def json_object(raw: bytes) -> dict[str, Any] | str:
+    """The request body as a JSON object, or what is wrong with it ("not JSON", "not an object")."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return "not JSON"
+    return body if isinstance(body, dict) else "not an object"
 
 
 async def _close_at_once(writer: asyncio.StreamWriter) -> None:

@@ -224,12 +224,9 @@ class SglangEmulator:
             status, message, str(status)))
         if misbehaviour is not None:
             return misbehaviour
-        try:
-            body = orjson.loads(request.body)
-        except orjson.JSONDecodeError:
-            return bad_request("Invalid JSON body")
-        if not isinstance(body, dict):
-            return bad_request("Invalid request body")
+        body = common.json_object(request.body)
+        if isinstance(body, str):
+            return bad_request("Invalid JSON body" if body == "not JSON" else "Invalid request body")
         chat = request.path == "/v1/chat/completions"
         if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
             return bad_request("messages or prompt: Field required")

@@ -243,15 +243,14 @@ class TrtllmEmulator:
         if misbehaviour is not None:
             return misbehaviour
         chat = request.path == "/v1/chat/completions"
-        try:
-            body = orjson.loads(request.body)
-        except orjson.JSONDecodeError:
+        body = common.json_object(request.body)
+        if body == "not JSON":
             return validation_error([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
                                       "input": {}}])
-        if not isinstance(body, dict):
+        if isinstance(body, str):
             return validation_error([{"type": "model_attributes_type", "loc": ("body",),
                                       "msg": "Input should be a valid dictionary or object to extract fields from",
-                                      "input": body}])
+                                      "input": orjson.loads(request.body)}])
         problems = _validate(body, chat)
         if problems:
             return validation_error(problems)

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.emulator import text
+from extproc.emulator import common, text
 from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
@@ -179,12 +179,9 @@ class VllmEmulator:
         misbehaviour = await self._misbehave(behaviour, request)
         if misbehaviour is not None:
             return misbehaviour
-        try:
-            body = orjson.loads(request.body)
-        except orjson.JSONDecodeError:
-            return _bad_request("Invalid JSON body")
-        if not isinstance(body, dict):
-            return _bad_request("Invalid request body")
+        body = common.json_object(request.body)
+        if isinstance(body, str):
+            return _bad_request("Invalid JSON body" if body == "not JSON" else "Invalid request body")
         chat = request.path == "/v1/chat/completions"
         problem = self._validate(body, chat)
         if problem is not None:
@@ -348,19 +345,7 @@ class VllmEmulator:
                            "usage": self._usage(prompt_tokens, len(tokens)), "system_fingerprint": FINGERPRINT})
         frames = [b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks]
         frames.append(b"data: [DONE]\n\n")
-        chunking = behaviour.chunking
-        data = b"".join(frames)
-        if chunking == "whole":
-            pieces = [data]
-        elif chunking == "byte":
-            pieces = [data[i:i + 1] for i in range(len(data))]
-        elif chunking == "split":  # boundaries that cut through events and through "\n\n"
-            pieces = [data[i:i + 7] for i in range(0, len(data), 7)]
-        else:
-            pieces = frames
-        for piece in pieces:
-            if interval:
-                await asyncio.sleep(interval)
+        async for piece in _pieces(b"".join(frames), behaviour.chunking, interval):
             yield piece
 
     def _role_chunk(self, request_id: str, created: int) -> dict[str, Any]:

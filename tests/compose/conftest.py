@@ -13,7 +13,7 @@ import pytest
 
 from tests.compose.commands import BUILD, DOWN, UP
 from tests.compose.project import BUILD_TIMEOUT, ComposeProject, brought_up
-from tests.conftest import SUMMARY
+from tests.conftest import SUMMARY, failed_with
 
 ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE; vllm is README's walk-through
 
@@ -47,8 +47,7 @@ def stack(project: ComposeProject) -> ComposeProject:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
-    if report.when == "call" and report.failed:
-        running = getattr(item, "funcargs", {}).get("project")
-        if isinstance(running, ComposeProject):
-            report.sections.append((f"compose project ({running.engine})", running.logs()))
+    running = failed_with(item, report, ComposeProject)
+    if running is not None:
+        report.sections.append((f"compose project ({running.engine})", running.logs()))
     return report

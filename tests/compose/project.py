@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from extproc.process import free_port
 from tests.compose.commands import DOWN, PORT_VARIABLES, Compose, Http
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +44,6 @@ def compose_command() -> tuple[str, ...]:
 
 def container_engine() -> str:
     return os.environ.get("PD_CONTAINER_ENGINE", "podman")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def port_is_free(port: int) -> bool:

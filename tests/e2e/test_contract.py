@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.harness import Stack, WorkerSpec, running_stack
+from tests.harness import Stack, engine_workers, running_stack
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
     assert_error,
     assert_no_leg_ran,
+    assert_served_by_decode,
     chat_body,
     closed_port,
     completion_body,
@@ -62,16 +63,13 @@ def engine_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         key.write_text("contract-suite-key\n")
         env["PD_EXTPROC_TRTLLM_AUTH_KEY_FILE"] = str(key)
         args = (*args, "--auth-key-file", str(key))
-    workers = (WorkerSpec("prefill", "prefill", engine=case.engine, args=args),
-               WorkerSpec("decode", "decode", engine=case.engine, args=args))
-    with running_stack(env, workers) as stack:
+    with running_stack(env, engine_workers(case.engine, args)) as stack:
         yield stack
 
 
 @pytest.fixture
 def stack(engine_stack: Stack) -> Stack:
-    engine_stack.reset()
-    return engine_stack
+    return engine_stack.reset()
 
 
 def case_of(stack: Stack) -> EngineCase:
@@ -95,8 +93,7 @@ def test_a_request_without_the_header_passes_through_without_calling_us(stack: S
                          ids=["chat", "completions"])
 def test_a_pd_request_runs_one_prefill_and_one_decode_leg(stack: Stack, path: str, body: dict[str, Any]) -> None:
     response = post(stack, path, body, **{"x-request-id": "0b1e2d3c-aaaa-bbbb-cccc-000000000002"})
-    assert response.status_code == 200, response.text
-    assert response.headers["x-emulator-worker"] == "decode"
+    assert_served_by_decode(response)
     assert eventually(lambda: len(stack.prefill.requests()) == 1 and stack.prefill.requests()[0]["status"] == 200)
     prefill, decode = only(stack.prefill.requests()), only(stack.decode.requests())
     for leg in (prefill, decode):

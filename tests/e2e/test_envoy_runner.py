@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from extproc.envoy_config import render_yaml
+from extproc.process import free_port
 from extproc.units import parse_address
 from tests.harness import Stack, running_stack
 from tests.helpers import CHAT, chat_body
@@ -34,13 +34,6 @@ def runner_stack() -> Iterator[Stack]:
         yield stack
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _refused_by_pd_extproc(url: str) -> bool:
     """A P/D request to a target outside the allow-list: 403 once Envoy reaches our server."""
     try:
@@ -51,7 +44,7 @@ def _refused_by_pd_extproc(url: str) -> bool:
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_envoy_exits_0(runner_stack: Stack) -> None:
-    port = _free_port()
+    port = free_port()
     settings = dataclasses.replace(runner_stack.settings, listen=parse_address(f"127.0.0.1:{port}"))
     config = runner_stack.log_dir / "runner-envoy.yaml"
     config.write_text(render_yaml(settings))

@@ -42,8 +42,7 @@ def short_deadline() -> Iterator[Stack]:
 
 @pytest.fixture
 def short(short_deadline: Stack) -> Stack:
-    short_deadline.reset()
-    return short_deadline
+    return short_deadline.reset()
 
 
 

@@ -19,11 +19,15 @@ import httpx
 import pytest
 
 from extproc.emulator import text
-from tests.harness import Stack, Worker, WorkerSpec, running_stack
+from tests.harness import Stack, Worker, WorkerSpec, engine_workers, running_stack
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
+    assert_distinct_workers,
     assert_error,
+    assert_event_stream,
+    assert_served_by_decode,
+    both_endpoints,
     chat_body,
     completion_body,
     eventually,
@@ -31,6 +35,7 @@ from tests.helpers import (
     post,
     scrape,
     sse_text,
+    stream,
 )
 
 pytestmark = pytest.mark.dataplane
@@ -45,21 +50,23 @@ def sglang(name: str, role: str) -> WorkerSpec:
     return WorkerSpec(name, role, engine="sglang", args=KV_TIMEOUT)
 
 
+SGLANG_WORKERS = engine_workers("sglang", KV_TIMEOUT)
+
+
 def configured_port(workers: dict[str, Worker]) -> dict[str, str]:
     return {"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": str(workers["prefill"].side_channel_port)}
 
 
 @pytest.fixture(scope="module")
 def sglang_stack() -> Iterator[Stack]:
-    with running_stack({"PD_EXTPROC_ADAPTER": "sglang"}, (sglang("prefill", "prefill"), sglang("decode", "decode")),
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang"}, SGLANG_WORKERS,
                        env_from_workers=configured_port) as stack:
         yield stack
 
 
 @pytest.fixture
 def sg(sglang_stack: Stack) -> Stack:
-    sglang_stack.reset()
-    return sglang_stack
+    return sglang_stack.reset()
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +79,7 @@ def discovering_stack() -> Iterator[Stack]:
 
 @pytest.fixture
 def disc(discovering_stack: Stack) -> Stack:
-    discovering_stack.reset()
-    return discovering_stack
+    return discovering_stack.reset()
 
 
 
@@ -91,21 +97,18 @@ def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str,
     room = decode["json"]["bootstrap_room"]
     assert prefill["json"]["bootstrap_room"] == room and prefill["notes"]["transfer"] == "ok"
     assert prefill["notes"]["claimed_by"] == "decode" and decode["notes"]["prefill_worker"] == "prefill"
-    infos = [worker.info() for worker in (stack.prefill, stack.decode)]
-    assert [(i["role"], i["worker_id"]) for i in infos] == [("prefill", "prefill"), ("decode", "decode")]
+    assert_distinct_workers(stack, "sglang")
     return prefill, decode
 
 
 # --- the reference matrix: a multi-token completion from distinct workers -------------------------
 
 
-@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=6, temperature=0)),
-                                       (COMPLETIONS, completion_body(max_tokens=6))], ids=["chat", "completions"])
+@both_endpoints(max_tokens=6)
 def test_non_streaming_completion_is_served_by_distinct_prefill_and_decode_workers(
         sg: Stack, path: str, body: dict[str, Any]) -> None:
     response = post(sg, path, body)
-    assert response.status_code == 200, response.text
-    assert response.headers["x-emulator-worker"] == "decode"
+    assert_served_by_decode(response)
     prefill, decode = assert_both_roles_took_part(sg)
     prompt = text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
     choice = response.json()["choices"][0]
@@ -126,12 +129,9 @@ def test_non_streaming_completion_is_served_by_distinct_prefill_and_decode_worke
                          ids=["chat", "completions"])
 def test_streaming_completion_is_served_by_distinct_prefill_and_decode_workers(
         sg: Stack, path: str, body: dict[str, Any]) -> None:
-    with sg.client() as client, client.stream("POST", path, content=json.dumps(body),
-                                              headers=sg.pd_headers()) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"].startswith("text/event-stream")
-        raw = response.read().decode()
-    content, chunks = sse_text(raw, path == CHAT)
+    response, raw = stream(sg, path, body)
+    assert_event_stream(response)
+    content, chunks = sse_text(raw.decode(), path == CHAT)
     prompt = text.chat_prompt(body["messages"]) if path == CHAT else text.completion_prompt(body["prompt"])
     assert content == "".join(text.generate(prompt, 5))
     prefill, decode = assert_both_roles_took_part(sg)
@@ -203,10 +203,7 @@ def test_an_abort_that_reaches_decode_before_its_request_is_sent_again(sg: Stack
 def test_a_streaming_client_whose_prefill_is_down_gets_our_json_error(sg: Stack) -> None:
     """SGLang would answer 200 with an error event inside the stream; the client gets our error instead,
     before any byte of the stream (decode's response headers carry nothing yet)."""
-    with sg.client() as client, client.stream("POST", CHAT, content=json.dumps(chat_body(stream=True)),
-                                              headers=sg.pd_headers(**{"x-prefiller-host-port": "127.0.0.2:9"})
-                                              ) as response:
-        response.read()
+    response, _ = stream(sg, CHAT, chat_body(stream=True), **{"x-prefiller-host-port": "127.0.0.2:9"})
     assert_error(response, 502, "prefill_upstream_unavailable")
 
 
@@ -281,9 +278,7 @@ WORKER_KEY = "sk-sglang-workers-0123456789"
 def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     key_file = tmp_path_factory.mktemp("sglang-key") / "api.key"
     key_file.write_text(WORKER_KEY + "\n")
-    args = (*KV_TIMEOUT, "--api-key-file", str(key_file))
-    workers = (WorkerSpec("prefill", "prefill", engine="sglang", args=args),
-               WorkerSpec("decode", "decode", engine="sglang", args=args))
+    workers = engine_workers("sglang", (*KV_TIMEOUT, "--api-key-file", str(key_file)))
     with running_stack({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover",
                         "PD_EXTPROC_SGLANG_API_KEY_FILE": str(key_file)}, workers) as stack:
         yield stack
@@ -291,8 +286,7 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture
 def keyed(keyed_stack: Stack) -> Stack:
-    keyed_stack.reset()
-    return keyed_stack
+    return keyed_stack.reset()
 
 
 def test_discovery_authenticates_with_the_configured_key_and_the_legs_carry_the_clients(keyed: Stack) -> None:
@@ -321,9 +315,7 @@ def test_discovery_without_the_key_is_the_prefill_workers_401(sg: Stack, tmp_pat
     """Before this setting existed, every P/D request to a keyed SGLang failed here."""
     key_file = tmp_path / "api.key"
     key_file.write_text(WORKER_KEY + "\n")
-    args = (*KV_TIMEOUT, "--api-key-file", str(key_file))
-    workers = (WorkerSpec("prefill", "prefill", engine="sglang", args=args),
-               WorkerSpec("decode", "decode", engine="sglang", args=args))
+    workers = engine_workers("sglang", (*KV_TIMEOUT, "--api-key-file", str(key_file)))
     with running_stack({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"},
                        workers) as stack:
         response = post(stack, CHAT, chat_body(max_tokens=3), authorization=f"Bearer {WORKER_KEY}")

@@ -21,17 +21,22 @@ import pytest
 
 from extproc.adapters.trtllm import AUTH_HEADER, PROTOCOL_RC23
 from extproc.emulator import text
-from tests.harness import Stack, WorkerSpec, running_stack
+from tests.harness import Stack, WorkerSpec, engine_workers, running_stack
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
+    assert_distinct_workers,
     assert_error,
+    assert_event_stream,
     assert_no_leg_ran,
+    assert_served_by_decode,
+    both_endpoints,
     chat_body,
     completion_body,
     only,
     post,
     sse_events,
+    stream,
 )
 
 pytestmark = pytest.mark.dataplane
@@ -39,9 +44,7 @@ pytestmark = pytest.mark.dataplane
 
 
 def workers(key_file: str | None) -> tuple[WorkerSpec, ...]:
-    args = ("--auth-key-file", key_file) if key_file else ()
-    return (WorkerSpec("prefill", "prefill", engine="trtllm", args=args),
-            WorkerSpec("decode", "decode", engine="trtllm", args=args))
+    return engine_workers("trtllm", ("--auth-key-file", key_file) if key_file else ())
 
 
 def key_file(directory: Path, name: str, key: str) -> str:
@@ -67,8 +70,7 @@ def trtllm_stack(keys: dict[str, str]) -> Iterator[Stack]:
 
 @pytest.fixture
 def trt(trtllm_stack: Stack) -> Stack:
-    trtllm_stack.reset()
-    return trtllm_stack
+    return trtllm_stack.reset()
 
 
 def prompt_of(path: str, body: dict[str, Any]) -> str:
@@ -82,21 +84,18 @@ def assert_both_roles_took_part(stack: Stack) -> tuple[dict[str, Any], dict[str,
     issued = context["notes"]["disaggregated_params"]
     assert generation["json"]["disaggregated_params"] == {**issued, "request_type": "generation_only"}
     assert generation["notes"]["kv"] == "ok" and generation["notes"]["context_worker"] == "prefill"
-    infos = [worker.info() for worker in (stack.prefill, stack.decode)]
-    assert [(i["engine"], i["worker_id"]) for i in infos] == [("trtllm", "prefill"), ("trtllm", "decode")]
+    assert_distinct_workers(stack, "trtllm")
     return context, generation
 
 
 # --- the reference matrix ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path,body", [(CHAT, chat_body(max_tokens=6, temperature=0)),
-                                       (COMPLETIONS, completion_body(max_tokens=6))], ids=["chat", "completions"])
+@both_endpoints(max_tokens=6)
 def test_non_streaming_completion_is_served_by_distinct_context_and_generation_workers(
         trt: Stack, path: str, body: dict[str, Any]) -> None:
     response = post(trt, path, body)
-    assert response.status_code == 200, response.text
-    assert response.headers["x-emulator-worker"] == "decode"
+    assert_served_by_decode(response)
     context, generation = assert_both_roles_took_part(trt)
     choice = response.json()["choices"][0]
     content = choice["message"]["content"] if path == CHAT else choice["text"]
@@ -118,11 +117,9 @@ def test_non_streaming_completion_is_served_by_distinct_context_and_generation_w
                          ids=["chat", "completions"])
 def test_streaming_completion_is_served_by_distinct_context_and_generation_workers(
         trt: Stack, path: str, body: dict[str, Any]) -> None:
-    with trt.client() as client, client.stream("POST", path, content=json.dumps(body),
-                                               headers=trt.pd_headers()) as response:
-        assert response.status_code == 200
-        raw = response.read().decode()
-    events = sse_events(raw)
+    response, raw = stream(trt, path, body)
+    assert_event_stream(response)
+    events = sse_events(raw.decode())
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     pieces = [(c["choices"][0]["delta"].get("content") or "") if path == CHAT else c["choices"][0]["text"]
@@ -151,12 +148,9 @@ def test_first_token_eos_is_answered_by_the_context_worker_without_a_generation_
 def test_first_token_eos_for_a_streaming_client_is_a_complete_event_stream(trt: Stack) -> None:
     trt.prefill.script({"first_token_eos": True})
     body = chat_body(stream=True, stream_options={"include_usage": True})
-    with trt.client() as client, client.stream("POST", CHAT, content=json.dumps(body),
-                                               headers=trt.pd_headers()) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"] == "text/event-stream"
-        raw = response.read().decode()
-    events = sse_events(raw)
+    response, raw = stream(trt, CHAT, body)
+    assert_event_stream(response)
+    events = sse_events(raw.decode())
     assert events[-1] == "[DONE]"
     first, usage = (json.loads(event) for event in events[:-1])
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["finish_reason"] == "stop"

@@ -18,12 +18,15 @@ from tests.helpers import (
     CHAT,
     COMPLETIONS,
     assert_error,
+    assert_event_stream,
     assert_no_leg_ran,
+    assert_served_by_decode,
     chat_body,
     completion_body,
     ext_proc_streams,
     only,
     post,
+    stream,
 )
 
 pytestmark = pytest.mark.dataplane
@@ -59,8 +62,7 @@ def test_c02_non_streaming_success_sends_the_original_request_and_handoff_to_dec
     """C02: prefill gets the derived request; decode gets the original plus the prefill's handoff verbatim."""
     transfers = stack.decode.metric("vllm:nixl_xfer_time_seconds_count")
     response = post(stack, path, body)
-    assert response.status_code == 200, response.text
-    assert response.headers["x-emulator-worker"] == "decode"
+    assert_served_by_decode(response)
     prefill = only(stack.prefill.requests())
     decode = only(stack.decode.requests())
     assert prefill["json"]["stream"] is False
@@ -89,11 +91,9 @@ def test_c02_decode_receives_the_same_request_id_as_prefill(stack: Stack) -> Non
 def test_c03_streaming_success_streams_decode_only_and_no_prefill_token_leaks(
         stack: Stack, path: str, body: dict[str, Any]) -> None:
     """C03: the client sees decode's SSE stream exactly; the prefill leg ran non-streaming."""
-    with stack.client() as client, client.stream("POST", path, content=json.dumps(body),
-                                                  headers=stack.pd_headers()) as response:
-        assert response.status_code == 200
-        assert response.headers["content-type"] == "text/event-stream"
-        raw = b"".join(response.iter_raw())
+    response, raw = stream(stack, path, body)
+    assert_event_stream(response)
+    assert response.headers["content-type"] == "text/event-stream"
     events = [e for e in raw.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and raw.count(b"[DONE]") == 1
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]

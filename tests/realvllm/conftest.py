@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import failed_with
 from tests.realvllm import stage
 from tests.realvllm.stage import RealPd
 
@@ -46,16 +47,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     report = yield
-    if report.when == "call" and report.failed:
-        real = getattr(item, "funcargs", {}).get("real_pd")
-        if isinstance(real, RealPd):
-            report.sections.append(("logs of the real-vLLM stage", real.logs()))
-            stalled = real.stalls.between(call.start, call.stop) if real.stalls else []
-            if stalled:
-                report.sections.append(("machine stalls", (
-                    f"this process was not scheduled for {', '.join(f'{s:.1f}s' for s in stalled)} while the test "
-                    "ran: the whole machine stalled (VM paused by its host?); timeouts and KV leases count "
-                    "that time too")))
+    real = failed_with(item, report, RealPd)
+    if real is not None:
+        report.sections.append(("logs of the real-vLLM stage", real.logs()))
+        stalled = real.stalls.between(call.start, call.stop) if real.stalls else []
+        if stalled:
+            report.sections.append(("machine stalls", (
+                f"this process was not scheduled for {', '.join(f'{s:.1f}s' for s in stalled)} while the test "
+                "ran: the whole machine stalled (VM paused by its host?); timeouts and KV leases count "
+                "that time too")))
     return report
 
 

@@ -11,28 +11,20 @@ from hypothesis import strategies as st
 
 from extproc.adapters import ENGINES, adapter_flow, build_adapter
 from extproc.adapters.base import Flow, PlanInput, PrefillReply
-from extproc.adapters.sglang import (
-    PROTOCOL_0_5_23,
-    ROOM_LIMIT,
-    SglangAdapter,
-    rid_from_nonce,
-    room_from_nonce,
-)
+from extproc.adapters.sglang import PROTOCOL_0_5_23, ROOM_LIMIT, SglangAdapter, rid_from_nonce, room_from_nonce
 from extproc.config import ConfigError, load_settings
 from extproc.envoy_config import decode_idle_timeout
 from extproc.errors import Code, PdError
 from extproc.fields import refuse_reserved
-from extproc.openai_request import parse_client_request
 from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
+from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:30000"])
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9}
 
 
-def request(path: str, body: dict[str, Any] | bytes) -> Any:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse_client_request(path, "application/json", raw, 1 << 20)
+request = client_request
 
 
 def plan(body: dict[str, Any] | bytes, path: str = "/v1/chat/completions", nonce: int = 41,

@@ -26,9 +26,9 @@ from extproc.adapters.trtllm import (
 from extproc.config import ConfigError, load_settings
 from extproc.errors import Code, PdError
 from extproc.fields import refuse_reserved
-from extproc.openai_request import parse_client_request
 from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
+from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:8000"])
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 9}
@@ -44,9 +44,7 @@ CONTEXT = {"id": "cmpl-00000000000000000000000000000001", "object": "text_comple
            "prompt_token_ids": [101, 102, 103]}
 
 
-def request(path: str, body: dict[str, Any] | bytes) -> Any:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse_client_request(path, "application/json", raw, 1 << 20)
+request = client_request
 
 
 def context_body(body: dict[str, Any], path: str = "/v1/chat/completions", nonce: int = 5) -> Any:
