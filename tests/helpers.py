@@ -44,7 +44,7 @@ def stream(stack: Stack, path: str, body: dict[str, Any], **headers: str) -> tup
     """POST a streaming request through Envoy; the response (read) and its raw body bytes, as sent."""
     with stack.client() as client, client.stream("POST", path, content=json.dumps(body),
                                                  headers=stack.pd_headers(**headers)) as response:
-        raw = b"".join(response.iter_raw())
+        raw = response.read()  # identity encoding: these are the bytes as sent
     return response, raw
 
 
