@@ -20,6 +20,7 @@ from extproc.settings_spec import (
     SettingSpec,
     choice,
     existing_file,
+    non_negative_int,
     parse_bool,
     positive_duration,
     positive_int,
@@ -73,6 +74,8 @@ class Settings:
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: str = "info"
     demo: bool = False
+    decode_queue_limit: int = 0  # 0 = off
+    decode_queue_interval: float = 1.0
     # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
     engine_options: Mapping[str, Any] = field(default_factory=_engine_defaults)
 
@@ -158,6 +161,10 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
     SettingSpec("log_level", choice(LOG_LEVELS), "log level: debug, info, warning, error"),
     SettingSpec("demo", parse_bool, "demo mode (pd-extproc up): start emulated workers"),
+    SettingSpec("decode_queue_limit", non_negative_int,
+                "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode worker has "
+                "more than this many requests waiting; 0 = off"),
+    SettingSpec("decode_queue_interval", positive_duration, "how often the decode worker's queue is read"),
     *ENGINE_SPECS,
 )
 _SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
@@ -219,6 +226,8 @@ def check_consistency(settings: Settings) -> list[str]:
     elif settings.adapter in ENGINES:
         engine = ENGINES[settings.adapter]
         problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
+        if settings.decode_queue_limit and engine.decode_queue is None:
+            problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
     if settings.prefill_connect_timeout > settings.prefill_deadline:
         problems.append("prefill_connect_timeout must not exceed prefill_deadline")
     if settings.envoy_message_timeout and settings.envoy_message_timeout <= settings.prefill_deadline + 1.0:

@@ -67,6 +67,15 @@ class Metrics:
             ["adapter", "reason"], registry=self.registry)
         self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
                               registry=self.registry)
+        self.decode_queue = Gauge(
+            "pd_extproc_decode_queue_waiting",
+            "Requests waiting on the local decode worker at the last reading (NaN: no fresh reading).",
+            registry=self.registry)
+        self.decode_queue.set(float("nan"))
+        self.decode_queue_sheds = Counter(
+            "pd_extproc_decode_queue_sheds",
+            "P/D requests refused because the decode worker's queue was over the limit.", ["adapter"],
+            registry=self.registry)
         self.request_bytes = Histogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)

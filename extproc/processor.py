@@ -38,6 +38,7 @@ from extproc.adapters.base import (
 )
 from extproc.admission import Admission
 from extproc.background import BackgroundPrefill, BackgroundPrefills, Task
+from extproc.decode_queue import DecodeQueueWatch
 from extproc.discovery import ServerInfoCache
 from extproc.errors import Code, PdError
 from extproc.fields import refuse_reserved
@@ -100,6 +101,7 @@ class PdProcessor:
         metrics: Metrics,
         background: BackgroundPrefills,
         decode: ResolvedTarget,
+        decode_queue: DecodeQueueWatch | None = None,
         tracing: Tracing | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
@@ -110,6 +112,7 @@ class PdProcessor:
         self._metrics = metrics
         self._background = background
         self._decode = decode
+        self._decode_queue = decode_queue
         self._tracing = tracing
         self._nonce = nonce
         self._adapter_name = adapter.name if adapter is not None else "none"
@@ -127,6 +130,9 @@ class PdProcessor:
             if self._adapter is None:
                 raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
             self._admission.check()  # shed before Envoy buffers the body (on_body checks again)
+            if self._decode_queue is not None and self._decode_queue.over_limit():
+                self._metrics.decode_queue_sheds.labels(self._adapter_name).inc()
+                raise PdError(Code.PD_OVERLOADED)  # before any prefill: its KV would wait past the lease
             target = await self._transport.resolve(parse_prefill_target(head.values(HEADER)))
         except PdError as error:
             return self._refuse(record, error)

@@ -24,10 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from extproc import envoy_messages as msg
-from extproc.adapters import build_adapter
+from extproc.adapters import ENGINES, build_adapter
 from extproc.admission import Admission
 from extproc.background import BackgroundPrefill, BackgroundPrefills
 from extproc.config import ConfigError, Settings
+from extproc.decode_queue import DecodeQueueWatch
 from extproc.errors import Code
 from extproc.httpserver import HttpServer, Request, Response
 from extproc.metrics import Metrics
@@ -133,6 +134,17 @@ def _decode_target(decode: Address) -> ResolvedTarget:
     return ResolvedTarget(PrefillTarget(decode.host, decode.port, ip), ip, tls=False)
 
 
+def _decode_queue(settings: Settings, transport: PrefillClient, decode: ResolvedTarget,
+                  metrics: Metrics) -> DecodeQueueWatch | None:
+    engine = ENGINES.get(settings.adapter)
+    if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
+        return None
+    return DecodeQueueWatch(transport, decode, engine.decode_queue, settings.decode_queue_limit,
+                            settings.decode_queue_interval,
+                            on_reading=lambda waiting: metrics.decode_queue.set(float("nan") if waiting is None
+                                                                                else waiting))
+
+
 def _tracing(settings: Settings) -> Tracing | None:
     if settings.tracing == "off":
         return None
@@ -168,9 +180,11 @@ class ExtProcServer:
             adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
+        decode = _decode_target(settings.decode)
+        self.decode_queue = _decode_queue(settings, self.prefill, decode, self.metrics)
         self.processor = PdProcessor(
             adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
-            metrics=self.metrics, background=self.background, decode=_decode_target(settings.decode),
+            metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
             tracing=self.tracing,
         )
         self.health = HealthServicer()
@@ -218,6 +232,8 @@ class ExtProcServer:
             raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
                               "with --metrics-listen") from None
         await self.grpc.start()
+        if self.decode_queue is not None:
+            self.decode_queue.start()
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if not self.policy.explicit:
@@ -240,6 +256,8 @@ class ExtProcServer:
         await self.grpc.stop(self.settings.drain_timeout - notice)
         # Concurrent-flow prefill requests still running: the rest of the grace period, then cancelled.
         await self.background.drain(grace_ends - loop.time())
+        if self.decode_queue is not None:
+            await self.decode_queue.stop()
         await self.prefill.aclose()
         await self.http.close()
         if self.tracing is not None:

@@ -165,6 +165,14 @@ class Demo:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """Where an engine reports its waiting requests: a Prometheus text page and the gauges to sum."""
+
+    path: str
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Engine:
     """One engine's declaration; its module is all a new engine needs (plus its emulator and tests).
 
@@ -184,4 +192,6 @@ class Engine:
     # How long a decode request may legitimately wait in silence for its KV (a concurrent engine's decode
     # starts before the prefill): Envoy's idle timeouts for decode are rendered above it.
     decode_wait: Callable[[Options], float] = no_decode_wait
+    # The decode worker's waiting-request gauges, for PD_EXTPROC_DECODE_QUEUE_LIMIT (None: not offered).
+    decode_queue: QueueGauges | None = None
     summary: str = ""  # one line for the README's engine table and --help

@@ -39,6 +39,7 @@ from extproc.adapters.base import (
     Options,
     PlanInput,
     PrefillReply,
+    QueueGauges,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.errors import Problem
@@ -198,6 +199,9 @@ def build(protocol: str, options: Options) -> SglangAdapter:
 
 ENGINE = Engine(
     name=SglangAdapter.name, engine="sglang", pins=PROTOCOLS, flow=Flow.CONCURRENT, build=build,
+    # observability/metrics_collector.py: the waiting queue and, on a decode engine, the requests still
+    # waiting to allocate (and to bootstrap) before their KV can land.
+    decode_queue=QueueGauges("/metrics", ("sglang:num_queue_reqs", "sglang:num_decode_prealloc_queue_reqs")),
     emulator="extproc.emulator.sglang:SglangEmulator",
     settings=(SettingSpec(BOOTSTRAP_PORT_SETTING, _bootstrap_port,
                           "sglang adapter: the prefill workers' bootstrap port (1-65535), or discover (read "

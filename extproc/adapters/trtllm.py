@@ -46,6 +46,7 @@ from extproc.adapters.base import (
     Options,
     PlanInput,
     PrefillReply,
+    QueueGauges,
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
@@ -286,6 +287,9 @@ def option_problems(protocol: str, options: Options) -> list[str]:
 
 ENGINE = Engine(
     name=TrtllmAdapter.name, engine="trtllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    # tensorrt_llm/metrics/collector.py: trtllm_num_requests_waiting, served on /prometheus/metrics when
+    # the worker runs with return_perf_metrics.
+    decode_queue=QueueGauges("/prometheus/metrics", ("trtllm_num_requests_waiting",)),
     emulator="extproc.emulator.trtllm:TrtllmEmulator",
     settings=(SettingSpec(AUTH_KEY_SETTING, existing_file,
                           "trtllm adapter, signing pins: file holding the workers' internal_request_auth_key "

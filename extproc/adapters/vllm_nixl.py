@@ -18,7 +18,16 @@ from typing import Any, ClassVar
 import orjson
 
 from extproc import jsonspan
-from extproc.adapters.base import DecodeWith, Engine, Flow, Options, PlanInput, PrefillReply, SequentialAdapter
+from extproc.adapters.base import (
+    DecodeWith,
+    Engine,
+    Flow,
+    Options,
+    PlanInput,
+    PrefillReply,
+    QueueGauges,
+    SequentialAdapter,
+)
 from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.fields import (
     FieldRule,
@@ -151,6 +160,8 @@ def build(protocol: str, options: Options) -> VllmNixlAdapter:
 
 ENGINE = Engine(
     name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    # vllm/v1/metrics/loggers.py, PrometheusStatLogger: "Number of requests waiting to be processed."
+    decode_queue=QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
     emulator="extproc.emulator.vllm:VllmEmulator",
     summary="vLLM 0.32/0.33, NixlConnector (pull): prefill, validate kv_transfer_params, then decode",
 )

@@ -8,7 +8,8 @@ Control endpoints (never recorded):
   GET  /_emulator/wait?outcome=O&count=N&timeout=S   block until N requests have outcome O (or 408)
   POST /_emulator/script                   {"behaviours": [...]}: one behaviour per next request, FIFO;
                                            400 naming the key when one is not the emulator's (behaviour.py)
-  POST /_emulator/reset                    forget requests and script (metrics stay cumulative)
+  POST /_emulator/gauges                   {"name": value, ...}: what the engine's queue gauges report
+  POST /_emulator/reset                    forget requests, script and gauges (counters stay cumulative)
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Control(Generic[B]):
         self.behaviour = behaviour
         self.records: list[Received] = []
         self.script: deque[B] = deque()
+        self.gauges: dict[str, float] = {}  # set by tests: the engine's own waiting-queue gauges
         self._changed = asyncio.Condition()
         self._seq = 0
 
@@ -86,6 +88,9 @@ class Control(Generic[B]):
             if received.request is request:
                 self.finish(received, "disconnected", received.status)
                 return
+
+    def gauge(self, name: str) -> float:
+        return float(self.gauges.get(name, 0.0))
 
     def next_behaviour(self, received: Received | None = None) -> B:
         """The next scripted behaviour (the default one when none is queued), noted on ``received``."""
@@ -130,6 +135,13 @@ class Control(Generic[B]):
         if path == "reset" and request.method == "POST":
             self.records.clear()
             self.script.clear()
+            self.gauges.clear()
+            return Response(200, b"{}")
+        if path == "gauges" and request.method == "POST":
+            values = orjson.loads(request.body)
+            if not isinstance(values, dict) or not all(isinstance(v, int | float) for v in values.values()):
+                return Response(400, b'{"error": "gauges: an object of numbers"}')
+            self.gauges.update(values)
             return Response(200, b"{}")
         if path == "script" and request.method == "POST":
             try:

@@ -453,6 +453,8 @@ class SglangEmulator:
         c = self.counters
         labels = f'{{model_name="{self.model}"}}'
         return "\n".join([
+            *(f"# TYPE {name} gauge\n{name}{labels} {self.control.gauge(name)}"
+              for name in ("sglang:num_queue_reqs", "sglang:num_decode_prealloc_queue_reqs")),
             "# TYPE emulator_kv_transfers counter", f"emulator_kv_transfers_total{labels} {float(c.transfers)}",
             "# TYPE emulator_kv_transfer_failures counter",
             f"emulator_kv_transfer_failures_total{labels} {float(c.failed_transfers)}",

@@ -225,6 +225,11 @@ class TrtllmEmulator:
             return Response(200, orjson.dumps({"version": TRTLLM_VERSION}))
         if request.path == "/metrics":
             return Response(200, b"[]")  # trtllm-serve's /metrics is a JSON list of iteration stats
+        if request.path == "/prometheus/metrics":  # with return_perf_metrics (metrics/collector.py)
+            waiting = self.control.gauge("trtllm_num_requests_waiting")
+            return Response(200, f"# TYPE trtllm_num_requests_waiting gauge\n"
+                                 f'trtllm_num_requests_waiting{{model_name="{self.model}"}} {waiting}\n'.encode(),
+                            content_type="text/plain; version=0.0.4")
         if request.path == "/v1/models":
             return Response(200, orjson.dumps({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "tensorrt_llm"}]}))

@@ -467,6 +467,8 @@ class VllmEmulator:
             f"vllm:prompt_tokens_total{labels} {float(c.prompt_tokens)}",
             "# TYPE vllm:generation_tokens counter",
             f"vllm:generation_tokens_total{labels} {float(c.generation_tokens)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{labels} {self.control.gauge('vllm:num_requests_waiting')}",
             "# TYPE emulator_recomputed_prompts counter",
             f"emulator_recomputed_prompts_total{labels} {float(c.recomputed)}",
             "# TYPE emulator_kv_leases_outstanding gauge",

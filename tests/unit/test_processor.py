@@ -73,6 +73,8 @@ class FakeTransport:
     async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
         self.calls.append(Call("GET", target, path, list(headers), None))
         answer = self.answers.popleft()
+        if isinstance(answer, PdError):
+            raise answer
         assert isinstance(answer, PrefillReply)
         return answer
 
