@@ -74,6 +74,7 @@ class Settings:
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     log_level: str = "info"
     demo: bool = False
+    prefill_fallback: str = "off"
     decode_queue_limit: int = 0  # 0 = off
     decode_queue_interval: float = 1.0
     # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
@@ -161,6 +162,9 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
     SettingSpec("log_level", choice(LOG_LEVELS), "log level: debug, info, warning, error"),
     SettingSpec("demo", parse_bool, "demo mode (pd-extproc up): start emulated workers"),
+    SettingSpec("prefill_fallback", choice(("off", "aggregated")),
+                "off, or aggregated: when the prefill worker is unreachable, too slow or answers 5xx, the local "
+                "decode worker serves the request whole (marked x-pd-fallback: aggregated); never for request errors"),
     SettingSpec("decode_queue_limit", non_negative_int,
                 "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode worker has "
                 "more than this many requests waiting; 0 = off"),
@@ -226,6 +230,8 @@ def check_consistency(settings: Settings) -> list[str]:
     elif settings.adapter in ENGINES:
         engine = ENGINES[settings.adapter]
         problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
+        if settings.prefill_fallback != "off" and engine.no_fallback:
+            problems.append(f"prefill_fallback: adapter {settings.adapter} cannot fall back: {engine.no_fallback}")
         if settings.decode_queue_limit and engine.decode_queue is None:
             problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
     if settings.prefill_connect_timeout > settings.prefill_deadline:

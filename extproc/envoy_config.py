@@ -14,12 +14,14 @@ import yaml
 from extproc.adapters import ENGINES, adapter_flow
 from extproc.adapters.base import Flow
 from extproc.config import Settings
+from extproc.envoy_messages import METADATA_NAMESPACE
 from extproc.errors import SPEC, Code
 from extproc.headers import PICKER_HEADERS
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.units import Address, format_duration
 
 EXT_PROC_CLUSTER = "pd_extproc"
+FALLBACK_HEADER = "x-pd-fallback"
 DECODE_CLUSTER = "decode"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 PD_PATH_REGEX = "/v1/(chat/)?completions"
@@ -116,6 +118,8 @@ def _ext_proc_filter(settings: Settings) -> dict[str, Any]:
         _TYPE: _EXT_PROC,
         "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
         "failure_mode_allow": False,  # no prefill, no decode: a P/D request never silently recomputes
+        # Our one dynamic-metadata namespace (a fallback's mark): Envoy drops any other the server sends.
+        "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         "status_on_error": {"code": 503},
         "message_timeout": format_duration(settings.message_timeout),
         "processing_mode": {
@@ -164,6 +168,11 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "route": _route_common(settings),
         "request_body_buffer_limit": settings.max_request_bytes,
         "request_headers_to_remove": sorted(PICKER_HEADERS),
+        # Only on a fallback (PD_EXTPROC_PREFILL_FALLBACK): an empty value adds no header.
+        "response_headers_to_add": [{
+            "header": {"key": FALLBACK_HEADER, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False,
+        }],
     }
     return [pd_route, passthrough]
 
@@ -197,6 +206,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "bytes_received": "%BYTES_RECEIVED%",
                 "bytes_sent": "%BYTES_SENT%",
                 "upstream": "%UPSTREAM_HOST%",
+                "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
         }],
         "local_reply_config": _local_reply_config(),

@@ -6,7 +6,7 @@ directions use ``raw_value`` only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from envoy.config.core.v3 import base_pb2
@@ -68,11 +68,19 @@ def continue_response_headers() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
+# Our dynamic-metadata namespace: Envoy accepts it (ext_proc metadata_options) and the pd route turns
+# its keys into response headers and access-log fields (envoy_config.py).
+METADATA_NAMESPACE = "pd_extproc"
+
+
 def replace_body(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
-                 remove_headers: Sequence[str] = ()) -> pb.ProcessingResponse:
-    """Send ``body`` to decode with these request headers set or removed. Content-Length must match
-    the new body or Envoy rejects it."""
+                 remove_headers: Sequence[str] = (),
+                 metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
+    """Send ``body`` to decode with these request headers set or removed, and ``metadata`` for Envoy.
+    Content-Length must match the new body or Envoy rejects it."""
     response = pb.ProcessingResponse()
+    if metadata:
+        response.dynamic_metadata.update({METADATA_NAMESPACE: dict(metadata)})
     common = response.request_body.response
     mutation = common.header_mutation
     mutation.set_headers.append(_header("content-length", str(len(body)).encode()))

@@ -133,6 +133,12 @@ HANDOFF_CODES = frozenset({
 })
 
 
+# Prefill failures that say nothing about the request itself: with PD_EXTPROC_PREFILL_FALLBACK=aggregated
+# the local decode worker serves the request whole instead (a 5xx prefill_upstream_error included).
+FALLBACK_CODES = frozenset({Code.PREFILL_UPSTREAM_UNAVAILABLE, Code.PREFILL_UPSTREAM_TIMEOUT,
+                            Code.PREFILL_UPSTREAM_ERROR})
+
+
 class PdError(Exception):
     """An outcome that becomes a JSON error response. The only exception our pure code raises.
 
@@ -155,6 +161,11 @@ class PdError(Exception):
         if self.field is None or self.problem is None:
             return self.field
         return f"{self.field} {self.problem.phrase}"
+
+    @property
+    def allows_fallback(self) -> bool:
+        """A failure of the prefill worker, not of the request: unreachable, too slow, or a 5xx."""
+        return self.code in FALLBACK_CODES and (self.code is not Code.PREFILL_UPSTREAM_ERROR or self.status >= 500)
 
     @property
     def handoff_reason(self) -> str | None:

@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# Outcomes that are not errors: the request was served (by decode, or whole by a TensorRT-LLM context
-# phase), or the client left. Every other outcome is an error code from extproc/errors.py.
-SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill"})
+# Outcomes that are not errors: the request was served (by decode, whole by a TensorRT-LLM context
+# phase, or whole by decode after a prefill failure with PD_EXTPROC_PREFILL_FALLBACK), or the client
+# left. Every other outcome is an error code from extproc/errors.py.
+SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill", "prefill_fallback"})
 NOT_ERROR_OUTCOMES = SERVED_OUTCOMES | {"cancelled"}
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class RequestRecord:
     body_bytes: int | None = None
     prefill_response_bytes: int | None = None
     handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
     decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
     done: bool = False  # logged and counted
     trace: RequestTrace | None = None  # only with PD_EXTPROC_TRACING=otlp
@@ -67,6 +69,10 @@ class Metrics:
             ["adapter", "reason"], registry=self.registry)
         self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
                               registry=self.registry)
+        self.fallbacks = Counter(
+            "pd_extproc_prefill_fallbacks",
+            "P/D requests served whole by the decode worker after a prefill failure, by that failure's code.",
+            ["adapter", "reason"], registry=self.registry)
         self.decode_queue = Gauge(
             "pd_extproc_decode_queue_waiting",
             "Requests waiting on the local decode worker at the last reading (NaN: no fresh reading).",

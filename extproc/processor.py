@@ -102,6 +102,7 @@ class PdProcessor:
         background: BackgroundPrefills,
         decode: ResolvedTarget,
         decode_queue: DecodeQueueWatch | None = None,
+        fallback: bool = False,
         tracing: Tracing | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
@@ -113,6 +114,7 @@ class PdProcessor:
         self._background = background
         self._decode = decode
         self._decode_queue = decode_queue
+        self._fallback = fallback
         self._tracing = tracing
         self._nonce = nonce
         self._adapter_name = adapter.name if adapter is not None else "none"
@@ -158,6 +160,10 @@ class PdProcessor:
                 return await self._start_concurrent(adapter, head, request, pending.target, record)
             try:
                 response = await self._run_sequential(adapter, head, request, pending.target, record)
+            except PdError as error:
+                if not (self._fallback and error.allows_fallback):
+                    raise
+                response = self._fall_back(adapter, request, record, error)
             finally:
                 self._leave()
         except PdError as error:
@@ -183,6 +189,15 @@ class PdProcessor:
             return msg.immediate(decision.status, decision.body, "pd_answered_by_prefill",
                                  content_type=decision.content_type.encode())
         return self._decode_reply(adapter, decision)
+
+    def _fall_back(self, adapter: Adapter, request: ClientRequest, record: RequestRecord,
+                   error: PdError) -> pb.ProcessingResponse:
+        """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback)."""
+        record.outcome, record.fallback_reason = "prefill_fallback", error.code.value
+        self._metrics.fallbacks.labels(record.adapter, error.code.value).inc()
+        decision = adapter.aggregated(request)
+        remove = sorted(adapter.reserved_headers)
+        return msg.replace_body(decision.body, decision.headers, remove, metadata={"fallback": "aggregated"})
 
     async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
@@ -329,6 +344,8 @@ class PdProcessor:
         }
         if record.decode_aborted is not None:
             extra["decode_aborted"] = record.decode_aborted
+        if record.fallback_reason is not None:
+            extra["fallback_reason"] = record.fallback_reason
         log.info("pd_request", extra=extra)
 
 

@@ -185,7 +185,7 @@ class ExtProcServer:
         self.processor = PdProcessor(
             adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
-            tracing=self.tracing,
+            fallback=settings.prefill_fallback == "aggregated", tracing=self.tracing,
         )
         self.health = HealthServicer()
         self.http = HttpServer(self._http)

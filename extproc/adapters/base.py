@@ -108,6 +108,11 @@ class _Adapter:
     # /server_info, for one, carries its API keys).
     server_info_keys: tuple[str, ...] = ()
 
+    def aggregated(self, request: ClientRequest) -> DecodeWith:
+        """The request served whole by the local decode worker (PD_EXTPROC_PREFILL_FALLBACK=aggregated):
+        the client's own body, which holds no P/D field of ours (reserved fields are refused)."""
+        return DecodeWith(request.raw)
+
     @property
     def discovery_headers(self) -> tuple[tuple[str, str], ...]:
         """Headers of our own server-info request (never a client's): e.g. the workers' API key."""
@@ -194,4 +199,6 @@ class Engine:
     decode_wait: Callable[[Options], float] = no_decode_wait
     # The decode worker's waiting-request gauges, for PD_EXTPROC_DECODE_QUEUE_LIMIT (None: not offered).
     decode_queue: QueueGauges | None = None
+    # Why the engine's decode worker cannot serve a request whole, if it cannot (PD_EXTPROC_PREFILL_FALLBACK).
+    no_fallback: str = ""
     summary: str = ""  # one line for the README's engine table and --help

@@ -218,6 +218,9 @@ ENGINE = Engine(
               SettingSpec(ADMIN_KEY_SETTING, existing_file,
                           "sglang adapter: file holding the decode worker's --admin-api-key, if it has one "
                           "(/abort_request then needs it); empty = the API key", default="")),
+    # scheduler.py, _handle_generate_request: a decode-mode engine refuses a request without a room.
+    no_fallback="an SGLang decode worker (--disaggregation-mode decode) refuses a request without a bootstrap "
+                "room, and decode has its request before the prefill can fail",
     decode_wait=lambda options: float(options.get(PREFILL_DEADLINE_SETTING, DEFAULT_PREFILL_DEADLINE)),
     # The demo's prefill emulator binds any free bootstrap port: the server discovers it.
     demo=Demo(env={"PD_EXTPROC_SGLANG_BOOTSTRAP_PORT": "discover"}),

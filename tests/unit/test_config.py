@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.config import ENV_PREFIX, SPECS, ConfigError, Settings, load_settings
+from extproc.errors import Code, PdError
 from extproc.units import format_duration, parse_address, parse_duration, parse_size
 
 
@@ -93,3 +94,21 @@ def test_addresses() -> None:
     for bad in ("unix:/x", "localhost", "1.2.3.4:0", "1.2.3.4:70000", "unix:relative"):
         with pytest.raises(ValueError):
             parse_address(bad, allow_unix=bad == "unix:relative")
+
+
+def test_fallback_is_refused_where_the_decode_worker_cannot_serve_a_request_whole() -> None:
+    with pytest.raises(ConfigError, match="sglang cannot fall back"):
+        load_settings({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_PREFILL_FALLBACK": "aggregated"}, {})
+    assert load_settings({"PD_EXTPROC_PREFILL_FALLBACK": "aggregated"}, {}).prefill_fallback == "aggregated"
+
+
+@pytest.mark.parametrize("code,status,falls_back", [
+    (Code.PREFILL_UPSTREAM_UNAVAILABLE, None, True), (Code.PREFILL_UPSTREAM_TIMEOUT, None, True),
+    (Code.PREFILL_UPSTREAM_ERROR, 503, True), (Code.PREFILL_UPSTREAM_ERROR, 500, True),
+    (Code.PREFILL_UPSTREAM_ERROR, 429, False), (Code.PREFILL_UPSTREAM_ERROR, 400, False),
+    (Code.INVALID_PREFILL_HANDOFF, None, False), (Code.PREFILL_RESPONSE_NOT_JSON, None, False),
+    (Code.PREFILL_TARGET_FORBIDDEN, None, False), (Code.RESERVED_REQUEST_FIELD, None, False),
+    (Code.PD_OVERLOADED, None, False),
+])
+def test_only_failures_of_the_prefill_worker_fall_back(code: Code, status: int | None, falls_back: bool) -> None:
+    assert PdError(code, status=status).allows_fallback is falls_back
