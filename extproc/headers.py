@@ -5,9 +5,10 @@ W3C trace context and any routing header the engines read. Dropped: pseudo-heade
 headers (RFC 9110 §7.6.1) and any header the client's Connection header names, framing headers the
 client computed for its own body, Envoy-internal headers, the endpoint picker's routing headers
 (llm-d-router ``pkg/common/routing/common.go``: they name workers for the router, not for an engine),
-and ``x-data-parallel-rank``: it pins a rank of the decode worker's engine (vLLM's API server,
-``_get_data_parallel_rank``); the prefill worker's rank is its port (one endpoint per rank port), and
-another engine's rank number there would be out of range or wrong.
+and the data-parallel rank headers (``x-data-parallel-rank``, read by vLLM's API server,
+``_get_data_parallel_rank``, and by SGLang's ``serving_base.py``; SGLang's ``x-override-routed-dp-rank``):
+they pin a rank of the decode worker's engine; the prefill worker's rank is its port (one endpoint
+per rank port), and another engine's rank number there would be out of range or wrong.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ _RECOMPUTED = frozenset({"host", "content-length", "content-type", "expect", "ac
 # The endpoint picker's headers (llm-d-router v0.10.0, pkg/common/routing/common.go). Envoy removes
 # them before decode too (envoy_config.py); we do not run encode stages or P2P KV pulls.
 PICKER_HEADERS = frozenset({PREFILL_TARGET_HEADER, "x-encoder-hosts-ports", "x-kv-cache-source-host-port"})
-DATA_PARALLEL_RANK = "x-data-parallel-rank"
-_ROUTING_ONLY = PICKER_HEADERS | {DATA_PARALLEL_RANK}
+DATA_PARALLEL_RANKS = frozenset({"x-data-parallel-rank", "x-override-routed-dp-rank"})
+_ROUTING_ONLY = PICKER_HEADERS | DATA_PARALLEL_RANKS
 
 
 def prefill_headers(client_headers: Iterable[tuple[str, str]],

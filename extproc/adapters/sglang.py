@@ -55,6 +55,11 @@ BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 RID = "rid"  # protocol.py: ``rid: Optional[Union[List[str], str]]``, passed to GenerateReqInput as is
 ABORT_PATH = "/abort_request"  # http_server.py, abort_request: AbortReq {"rid", "abort_all"}, 200 empty
 SERVER_INFO_KEYS = ("disaggregation_mode", "disaggregation_bootstrap_port")
+# entrypoints/request_headers.py, _HEADER_OVERRIDES: with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 these
+# headers replace the fields we set (chat and /generate). A client's copy would re-point a leg at
+# another room, rid or prefill rank, so they are removed from both legs, whatever the engine's setting.
+OVERRIDE_HEADERS = frozenset({"x-override-rid", "x-override-bootstrap-host", "x-override-bootstrap-port",
+                              "x-override-bootstrap-room", "x-override-disagg-prefill-dp-rank"})
 API_KEY_SETTING = "sglang_api_key_file"
 ADMIN_KEY_SETTING = "sglang_admin_api_key_file"
 BOOTSTRAP_PORT_SETTING = "sglang_bootstrap_port"
@@ -134,6 +139,7 @@ class SglangAdapter(ConcurrentAdapter):
     name: ClassVar[str] = "sglang"
     reserved_fields: ClassVar[tuple[ReservedField, ...]] = tuple(ReservedField(name) for name in
                                                                (*BOOTSTRAP_FIELDS, RID))
+    reserved_headers = OVERRIDE_HEADERS
     server_info_keys = SERVER_INFO_KEYS
 
     def __init__(self, protocol: str = PROTOCOL_0_5_23, bootstrap_port: int | None = DEFAULT_BOOTSTRAP_PORT,

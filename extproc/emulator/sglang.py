@@ -64,6 +64,34 @@ def stream_error_event(status: int, name: str, message: str) -> bytes:
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
+# entrypoints/request_headers.py, _HEADER_OVERRIDES: header -> (field, cast), read only with
+# SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 (environ.py, default False).
+HEADER_OVERRIDES: dict[str, tuple[str, type]] = {
+    "x-override-rid": ("rid", str),
+    "x-override-bootstrap-host": ("bootstrap_host", str),
+    "x-override-bootstrap-port": ("bootstrap_port", int),
+    "x-override-bootstrap-room": ("bootstrap_room", int),
+    "x-override-conversation-id": ("conversation_id", str),
+    "x-override-routed-dp-rank": ("routed_dp_rank", int),
+    "x-override-disagg-prefill-dp-rank": ("disagg_prefill_dp_rank", int),
+    "x-override-priority": ("priority", int),
+}
+
+
+def apply_header_overrides(body: dict[str, Any], request: Request) -> Response | None:
+    """request_headers.py, apply_header_overrides: each header present replaces its field; a value
+    the cast refuses is a 400 (FastAPI's HTTPException detail)."""
+    for header, (name, cast) in HEADER_OVERRIDES.items():
+        value = request.header(header)
+        if value is None:
+            continue
+        try:
+            body[name] = cast(value)
+        except ValueError as error:
+            return Response(400, orjson.dumps({"detail": f"invalid {header} header {value!r}: {error}"}))
+    return None
+
+
 def _scalar(value: Any) -> Any:
     """SGLang accepts each bootstrap field as a scalar or a per-prompt list; one prompt here."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
@@ -98,7 +126,7 @@ class Counters:
 class SglangEmulator:
     def __init__(self, role: str, model: str, worker_id: str, bootstrap_host: str, kv_timeout: float,
                  default_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT, api_key: str | None = None,
-                 admin_api_key: str | None = None) -> None:
+                 admin_api_key: str | None = None, header_overrides: bool = False) -> None:
         assert role in MODES
         self.role = role
         self.model = model
@@ -112,6 +140,7 @@ class SglangEmulator:
         self.counters = Counters()
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        self.header_overrides = header_overrides
         self.inflight: dict[str, asyncio.Event] = {}  # rid -> set when an abort reaches it
         self.server_info_overrides: dict[str, Any] = {}
         self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
@@ -126,6 +155,8 @@ class SglangEmulator:
                            help="how long prefill waits for decode's claim and decode for prefill's room")
         group.add_argument("--api-key-file", default="", help="serve with --api-key (the file's token)")
         group.add_argument("--admin-api-key-file", default="", help="serve with --admin-api-key (the file's token)")
+        group.add_argument("--request-header-overrides", action="store_true",
+                           help="as with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1: x-override-* headers set fields")
 
     @classmethod
     def from_args(cls, args: Any) -> SglangEmulator:
@@ -133,7 +164,8 @@ class SglangEmulator:
             return read_token_file(path).decode() if path else None
 
         return cls(args.role, args.model, args.worker_id, args.side_channel.host, parse_duration(args.kv_timeout),
-                   api_key=key(args.api_key_file), admin_api_key=key(args.admin_api_key_file))
+                   api_key=key(args.api_key_file), admin_api_key=key(args.admin_api_key_file),
+                   header_overrides=args.request_header_overrides)
 
     def _authorized(self, request: Request) -> bool:
         """utils/auth.py, ``decide_request_auth``: OPTIONS and /health*, /ready*, /metrics* are open;
@@ -230,6 +262,10 @@ class SglangEmulator:
         chat = request.path == "/v1/chat/completions"
         if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
             return bad_request("messages or prompt: Field required")
+        if chat and self.header_overrides:  # serving_chat.py applies them; serving_completions.py does not
+            overridden = apply_header_overrides(body, request)
+            if isinstance(overridden, Response):
+                return overridden
         given = body.get("rid")
         rid = given if isinstance(given, str) else secrets.token_hex(16)
         if rid in self.inflight:  # tokenizer_manager.py, _init_req_state

@@ -215,6 +215,31 @@ def test_client_supplied_bootstrap_fields_are_refused_before_any_leg(sg: Stack, 
     assert sg.prefill.requests() == [] and sg.decode.requests() == []
 
 
+@pytest.fixture(scope="module")
+def overriding_stack() -> Iterator[Stack]:
+    """Workers started as with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1."""
+    workers = engine_workers("sglang", (*KV_TIMEOUT, "--request-header-overrides"))
+    with running_stack({"PD_EXTPROC_ADAPTER": "sglang"}, workers, env_from_workers=configured_port) as stack:
+        yield stack
+
+
+def test_client_override_headers_for_our_fields_reach_neither_leg(overriding_stack: Stack) -> None:
+    """With header overrides on, a client's x-override-bootstrap-room (or rid, host, port, prefill DP
+    rank) would replace ours on a leg: the engines would meet in the client's room. Both legs lose
+    them, so the request runs in our room; a rank for decode stays on decode only."""
+    stack = overriding_stack.reset()
+    overrides = {"x-override-bootstrap-room": "7", "x-override-rid": "client-rid",
+                 "x-override-bootstrap-host": "10.1.2.3", "x-override-bootstrap-port": "1",
+                 "x-override-disagg-prefill-dp-rank": "3", "x-override-routed-dp-rank": "0"}
+    assert_served_by_decode(post(stack, CHAT, chat_body(max_tokens=3), **overrides))
+    prefill, decode = assert_both_roles_took_part(stack)
+    assert decode["json"]["bootstrap_room"] != 7 and decode["json"]["rid"].startswith("pd-")
+    for leg in (prefill, decode):
+        assert not {name for name, _ in leg["headers"]} & (overrides.keys() - {"x-override-routed-dp-rank"})
+    assert dict(decode["headers"])["x-override-routed-dp-rank"] == "0", "decode's own rank stays"
+    assert "x-override-routed-dp-rank" not in dict(prefill["headers"])
+
+
 def test_client_gone_while_decode_waits_cancels_the_prefill_request(sg: Stack) -> None:
     """Decode is waiting for the room, prefill has not registered it; the client leaves. Envoy resets
     our stream, the background prefill request is cancelled and the prefill worker sees it close."""

@@ -23,6 +23,7 @@ def test_the_pickers_routing_headers_and_the_decode_rank_stay_off_the_prefill_le
     rank the gateway chose is the decode engine's (the prefill rank is its port)."""
     client = [("x-encoder-hosts-ports", "10.0.0.2:8000,10.0.0.3:8000"),
               ("x-kv-cache-source-host-port", "10.0.0.4:8000"), ("x-data-parallel-rank", "3"),
+              ("X-Override-Routed-DP-Rank", "1"),
               ("x-trtllm-disagg-auth", "sha256=00"), ("x-keep", "1")]
     assert prefill_headers(client, frozenset({"x-trtllm-disagg-auth"})) == [
         ("x-keep", "1"), ("content-type", "application/json"), ("accept-encoding", "identity")]
