@@ -113,10 +113,15 @@ def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         for name, pick in _UP_PICKS.items():
             address: Address = getattr(settings, name)
             if not _provided(args, environ, name):
+                if name == "envoy_admin" and settings.envoy_stats_listen is not None:
+                    pick = f"127.0.0.1:{process.free_port()}"  # the stats listener proxies to a known port
                 picks[name] = parse_address(pick, allow_port_zero=True)
             elif process.port_in_use(address):
                 raise process.StackError(f"{address} ({name}) is already in use; choose another with "
                                          f"--{name.replace('_', '-')}")
+        if settings.envoy_stats_listen is not None and process.port_in_use(settings.envoy_stats_listen):
+            raise process.StackError(f"{settings.envoy_stats_listen} (envoy_stats_listen) is already in use; "
+                                     "choose another with --envoy-stats-listen")
         if not _provided(args, environ, "grpc_listen"):
             picks["grpc_listen"] = parse_address(f"unix:{workdir}/extproc.sock", allow_unix=True)
         settings = dataclasses.replace(settings, **picks)

@@ -51,6 +51,7 @@ class Settings:
     listen: Address = Address("0.0.0.0", 8000)
     decode: Address = Address("127.0.0.1", 8200)
     envoy_admin: Address = Address("127.0.0.1", 9901)
+    envoy_stats_listen: Address | None = None  # None = no stats listener
     envoy_bin: str = "envoy"
     max_request_bytes: int = 32 << 20
     max_prefill_response_bytes: int = 1 << 20
@@ -116,6 +117,14 @@ def _show_networks(value: Any) -> str:
     return ",".join(str(network) for network in value)
 
 
+def _optional_address(text: str) -> Address | None:
+    return parse_address(text) if text.strip() else None
+
+
+def _show_optional(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
 def _http_url(text: str) -> str:
     url = text.strip()
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", url):
@@ -132,6 +141,9 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("listen", lambda t: parse_address(t, allow_port_zero=True), "Envoy listener host:port"),
     SettingSpec("decode", parse_address, "local decode worker host:port (the only decode destination)"),
     SettingSpec("envoy_admin", lambda t: parse_address(t, allow_port_zero=True), "Envoy admin host:port"),
+    SettingSpec("envoy_stats_listen", _optional_address,
+                "host:port where Envoy serves only its /stats/prometheus (P/D timing histograms) for a "
+                "scraper; empty = none (the admin port stays private)", show=_show_optional),
     SettingSpec("envoy_bin", text_value, "Envoy binary to run (a path or a name on PATH)"),
     SettingSpec("max_request_bytes", positive_size, "largest client request body (Envoy 413 above it)"),
     SettingSpec("max_prefill_response_bytes", positive_size, "largest prefill response body read"),
@@ -236,6 +248,8 @@ def check_consistency(settings: Settings) -> list[str]:
             problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
     if settings.prefill_connect_timeout > settings.prefill_deadline:
         problems.append("prefill_connect_timeout must not exceed prefill_deadline")
+    if settings.envoy_stats_listen is not None and (settings.envoy_admin.is_unix or settings.envoy_admin.port == 0):
+        problems.append("envoy_stats_listen needs envoy_admin on a fixed TCP port (Envoy proxies the scrape to it)")
     if settings.envoy_message_timeout and settings.envoy_message_timeout <= settings.prefill_deadline + 1.0:
         problems.append("envoy_message_timeout must exceed prefill_deadline by more than 1s")
     if settings.decode_idle_timeout <= settings.message_timeout:

@@ -21,6 +21,8 @@ from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.units import Address, format_duration
 
 EXT_PROC_CLUSTER = "pd_extproc"
+ENVOY_ADMIN_CLUSTER = "envoy_admin"
+STATS_PATH = "/stats/prometheus"
 FALLBACK_HEADER = "x-pd-fallback"
 DECODE_CLUSTER = "decode"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
@@ -35,6 +37,22 @@ _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _CEL_FILTER = "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
 _STDOUT_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"
+_STATS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stats.v3.Config"
+
+# P/D timing as Envoy histograms (its stats access logger, Prometheus on the admin port), so our server
+# does no work for them. Only P/D-served requests: route "pd", answered by decode ("via_upstream":
+# not our ImmediateResponses or Envoy's local replies), and not an aggregated fallback.
+TIMING_STAT_PREFIX = "pd"
+TTFT_STAT = "time_to_first_token_ms"
+DECODE_STAT = "decode_ms"
+_PD_SERVED = ("xds.route_name == 'pd' && response.code_details == 'via_upstream'"
+              f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata)")
+# A stream's first body byte from decode: vLLM, SGLang and TensorRT-LLM send the response head as
+# soon as the request is accepted and the first SSE event once the first token exists.
+_STREAMED = "'content-type' in response.headers && response.headers['content-type'].startsWith('text/event-stream')"
+# Milliseconds, finer than Envoy's default buckets where P/D TTFT and decode times fall.
+TIMING_BUCKETS_MS = (5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000, 7500, 10000,
+                     15000, 20000, 30000, 60000, 120000, 300000, 600000)
 
 # Envoy's own local replies -> our error codes. Order matters: the first match wins. Each filter
 # excludes our ImmediateResponses (details "pd_*"), which already carry their JSON body.
@@ -87,16 +105,17 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def _cel_filter(expression: str) -> dict[str, Any]:
+    return {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel",
+                                 "typed_config": {_TYPE: _CEL_FILTER, "expression": expression}}}
+
+
 def _local_reply_config() -> dict[str, Any]:
     mappers = []
     for condition, code, keep_status in _LOCAL_REPLY_RULES:
         spec = SPEC[code]
         mapper: dict[str, Any] = {
-            "filter": {"extension_filter": {
-                "name": "envoy.access_loggers.extension_filters.cel",
-                "typed_config": {_TYPE: _CEL_FILTER,
-                                 "expression": f"!response.code_details.startsWith('pd_') && ({condition})"},
-            }},
+            "filter": _cel_filter(f"!response.code_details.startsWith('pd_') && ({condition})"),
             "body_format_override": {
                 "json_format": {"error": {
                     "message": spec.message,
@@ -177,6 +196,26 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
     return [pd_route, passthrough]
 
 
+def _timing_logs() -> list[dict[str, Any]]:
+    """TTFT from the client's first byte to decode's first body byte (streams only: a whole JSON answer
+    has no first token to time); decode time from the first byte Envoy sends decode to its last."""
+    def histogram(name: str, start: str, end: str, tags: list[dict[str, str]]) -> dict[str, Any]:
+        return {"stat": {"name": name, "tags": tags}, "unit": "Milliseconds",
+                "value_format": f"%COMMON_DURATION({start}:{end}:ms)%"}
+
+    def stats_log(expression: str, histograms: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"name": "envoy.access_loggers.stats", "filter": _cel_filter(expression),
+                "typed_config": {_TYPE: _STATS_LOG, "stats_scope": {"prefix": TIMING_STAT_PREFIX},
+                                 "histograms": histograms}}
+
+    return [
+        stats_log(f"{_PD_SERVED} && {_STREAMED}",
+                  [histogram(TTFT_STAT, "DS_RX_BEG", "US_RX_BODY_BEG", [])]),
+        stats_log(_PD_SERVED, [histogram(DECODE_STAT, "US_TX_BEG", "US_RX_END",
+                                         [{"name": "code", "value_format": "%RESPONSE_CODE%"}])]),
+    ]
+
+
 def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
     filters: list[dict[str, Any]] = [
         {"name": "envoy.filters.http.body_size_limit",
@@ -208,7 +247,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "upstream": "%UPSTREAM_HOST%",
                 "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
-        }],
+        }, *(_timing_logs() if pd_enabled else [])],
         "local_reply_config": _local_reply_config(),
         "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
             {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
@@ -230,6 +269,26 @@ def _filter_chains(settings: Settings) -> list[dict[str, Any]]:
     ]}
     untrusted = {"filters": [{"name": hcm_filter, "typed_config": _connection_manager(settings, False)}]}
     return [trusted, untrusted]
+
+
+def _stats_listener(address: Address) -> dict[str, Any]:
+    """GET /stats/prometheus, proxied to the admin port; anything else 404. The admin port itself
+    (which can also stop Envoy) stays on loopback."""
+    routes = [
+        {"name": "stats",
+         "match": {"path": STATS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+         "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
+        {"name": "not_found", "match": {"prefix": "/"}, "direct_response": {"status": 404}},
+    ]
+    return {"name": "envoy_stats", "address": _socket_address(address), "filter_chains": [{"filters": [{
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            _TYPE: _HCM, "stat_prefix": "envoy_stats", "codec_type": "AUTO",
+            "route_config": {"name": "envoy_stats", "virtual_hosts": [
+                {"name": "stats", "domains": ["*"], "routes": routes}]},
+            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}}],
+        },
+    }]}]}
 
 
 def render(settings: Settings) -> dict[str, Any]:
@@ -280,14 +339,28 @@ def render(settings: Settings) -> dict[str, Any]:
             ]},
         },
     ]
+    listeners = [{
+        "name": "pd_ingress",
+        "address": _socket_address(settings.listen),
+        "filter_chains": _filter_chains(settings),
+    }]
+    if settings.envoy_stats_listen is not None:
+        listeners.append(_stats_listener(settings.envoy_stats_listen))
+        clusters.append({
+            "name": ENVOY_ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": ENVOY_ADMIN_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(settings.envoy_admin)}}]},
+            ]},
+        })
     return {
         "admin": {"address": _socket_address(settings.envoy_admin)},
+        # Histograms merged when scraped (/stats/prometheus), not on a 5 s timer: a scrape sees every
+        # request that has finished. No stats sink is configured, so nothing else waits on a flush.
+        "stats_flush_on_admin": True,
+        "stats_config": {"histogram_bucket_settings": [{
+            "match": {"prefix": f"{TIMING_STAT_PREFIX}."}, "buckets": list(TIMING_BUCKETS_MS)}]},
         "static_resources": {
-            "listeners": [{
-                "name": "pd_ingress",
-                "address": _socket_address(settings.listen),
-                "filter_chains": _filter_chains(settings),
-            }],
+            "listeners": listeners,
             "clusters": clusters,
         },
     }

@@ -105,12 +105,11 @@ def running_stack(env: Mapping[str, str] | None = None, workers: tuple[WorkerSpe
     ``env`` is used as is."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-test-"))
     settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_ENVOY_BIN": envoy_bin(), **(env or {})}, {})
-    settings = dataclasses.replace(
-        settings,
-        grpc_listen=parse_address("127.0.0.1:0", allow_port_zero=True),
-        listen=parse_address("127.0.0.1:0", allow_port_zero=True),
-        envoy_admin=parse_address("127.0.0.1:0", allow_port_zero=True),
-    )
+    # Any free port, unless the test chose one (a stats listener needs a known admin port).
+    given = env or {}
+    picks = {name: parse_address("127.0.0.1:0", allow_port_zero=True)
+             for name in ("grpc_listen", "listen", "envoy_admin") if f"PD_EXTPROC_{name.upper()}" not in given}
+    settings = dataclasses.replace(settings, **picks)
     running = Stack.of(start_stack(settings, log_dir, workers=workers, env_from_workers=env_from_workers,
                                    grpc_unix=grpc_unix, ready_timeout=READY_TIMEOUT))
     try:

@@ -90,6 +90,20 @@ def scrape(stack: Stack) -> dict[str, float]:
     return samples
 
 
+def envoy_histogram(stack: Stack, name: str) -> dict[str, tuple[float, float]]:
+    """Envoy's histogram ``name`` from its admin port (Prometheus text) as {labels: (count, sum)}. A
+    scrape merges the histograms for the next one (stats_flush_on_admin), so poll with eventually."""
+    assert stack.envoy is not None
+    counts: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    for line in stack.envoy.admin_get("/stats/prometheus").decode().splitlines():
+        for suffix, into in (("_count", counts), ("_sum", sums)):
+            if line.startswith(f"envoy_{name}{suffix}"):
+                labels, value = line[len(name) + len(suffix) + 6:].rsplit(" ", 1)
+                into[labels] = float(value)
+    return {labels: (count, sums.get(labels, 0.0)) for labels, count in counts.items()}
+
+
 def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
     """Poll an observable condition (bookkeeping that finishes after the client's answer) until it
     holds or ``within`` seconds pass."""

@@ -150,17 +150,27 @@ def test_route_reaches_the_pool_through_the_gateway(manifests: Manifests) -> Non
         assert "filters" not in rule  # a route filter would run after the picker and could drop its header
 
 
+def stats_port(settings: Settings) -> int:
+    assert settings.envoy_stats_listen is not None, "k8s scrapes Envoy's P/D histograms"
+    return settings.envoy_stats_listen.port
+
+
+def test_envoy_serves_its_stats_page_on_the_named_port(manifests: Manifests, k8s_settings: Settings) -> None:
+    assert _port(manifests.container("pd-decode", "envoy"), "envoy-stats") == stats_port(k8s_settings)
+
+
 def test_services_point_at_named_container_ports(manifests: Manifests, k8s_settings: Settings) -> None:
     service = manifests.get("Service", "pd-decode")["spec"]["ports"]
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service} == {
-        "http": (k8s_settings.listen.port, "http"), "metrics": (k8s_settings.metrics_listen.port, "metrics")}
+        "http": (k8s_settings.listen.port, "http"), "metrics": (k8s_settings.metrics_listen.port, "metrics"),
+        "envoy-stats": (stats_port(k8s_settings), "envoy-stats")}
 
 
 def test_network_policy_ports_follow_the_settings(manifests: Manifests, k8s_settings: Settings) -> None:
     decode = manifests.get("NetworkPolicy", "pd-decode")["spec"]
     ports = [{p["port"] for p in rule.get("ports", [])} for rule in decode["ingress"]]
     assert {k8s_settings.listen.port} in ports  # gateway and picker -> Envoy
-    assert {k8s_settings.metrics_listen.port} in ports  # Prometheus -> pd-extproc
+    assert {k8s_settings.metrics_listen.port, stats_port(k8s_settings)} in ports  # Prometheus -> pd-extproc, Envoy
     decode_labels = manifests.get("Deployment", "pd-decode")["spec"]["template"]["metadata"]["labels"]
     prefill_labels = manifests.get("Deployment", "pd-prefill")["spec"]["template"]["metadata"]["labels"]
     assert decode["podSelector"]["matchLabels"].items() <= decode_labels.items()
@@ -192,6 +202,7 @@ def test_only_the_gateway_and_the_picker_reach_envoy(manifests: Manifests, k8s_s
         assert peers[0]["podSelector"]["matchLabels"] == {"gateway.envoyproxy.io/owning-gateway-name": gateway_route}
         assert peers[1]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pd-epp"}
     assert sum(_admits(rule, k8s_settings.metrics_listen.port) for rule in decode["ingress"]) == 1
+    assert sum(_admits(rule, stats_port(k8s_settings)) for rule in decode["ingress"]) == 1
 
 
 def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifests: Manifests,

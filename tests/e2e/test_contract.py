@@ -22,15 +22,18 @@ from tests.helpers import (
     CHAT,
     COMPLETIONS,
     assert_error,
+    assert_event_stream,
     assert_no_leg_ran,
     assert_served_by_decode,
     chat_body,
     closed_port,
     completion_body,
+    envoy_histogram,
     eventually,
     ext_proc_streams,
     only,
     post,
+    stream,
 )
 
 pytestmark = pytest.mark.dataplane
@@ -145,3 +148,29 @@ def test_a_prefill_error_status_keeps_its_status(stack: Stack) -> None:
     stack.prefill.script({"status": 503})
     assert_error(post(stack, COMPLETIONS, completion_body(max_tokens=3)), 503, "prefill_upstream_error")
     assert only(stack.prefill.requests())["status"] == 503
+
+
+# --- Envoy times the P/D requests it served ------------------------------------------------------------
+
+
+def pd_timings(stack: Stack) -> tuple[float, float]:
+    """How many requests Envoy's P/D histograms hold: (time to first token, decode time)."""
+    ttft = sum(count for count, _ in envoy_histogram(stack, "pd_time_to_first_token_ms").values())
+    decode = sum(count for count, _ in envoy_histogram(stack, "pd_decode_ms").values())
+    return ttft, decode
+
+
+def test_envoy_times_first_token_of_pd_streams_and_every_pd_decode_leg(stack: Stack) -> None:
+    """A P/D stream adds one TTFT and one decode observation, a P/D JSON answer one decode observation;
+    a passthrough and a request refused before any leg add none."""
+    assert eventually(lambda: pd_timings(stack) == pd_timings(stack))  # merged and stable
+    ttft, decode = pd_timings(stack)
+    with stack.client() as client:
+        client.post(COMPLETIONS, content=json.dumps(completion_body(max_tokens=2)),
+                    headers={"content-type": "application/json"})
+    assert_error(post(stack, CHAT, chat_body(n=2)), 400, "unsupported_pd_variant")
+    response, _ = stream(stack, CHAT, chat_body(max_tokens=3, stream=True))
+    assert_event_stream(response)
+    assert_served_by_decode(post(stack, COMPLETIONS, completion_body(max_tokens=3)))
+    assert eventually(lambda: pd_timings(stack) == (ttft + 1, decode + 2)), pd_timings(stack)
+    assert ("{code=\"200\"}") in envoy_histogram(stack, "pd_decode_ms"), "decode time is labelled by status"

@@ -21,6 +21,7 @@ from tests.helpers import (
     chat_body,
     closed_port,
     completion_body,
+    envoy_histogram,
     eventually,
     only,
     post,
@@ -101,6 +102,25 @@ def test_a_request_that_succeeds_carries_no_fallback_mark(fb: Stack) -> None:
     response = post(fb, COMPLETIONS, completion_body(max_tokens=3))
     assert response.status_code == 200 and "x-pd-fallback" not in response.headers
     assert "kv_transfer_params" in only(fb.decode.requests())["json"]
+
+
+def test_a_fallback_is_not_timed_as_pd(fb: Stack) -> None:
+    """Envoy's P/D histograms hold P/D requests only: a fallback adds nothing, the P/D one after it
+    adds one decode observation."""
+    def decodes() -> float:
+        return sum(count for count, _ in envoy_histogram(fb, "pd_decode_ms").values())
+
+    assert eventually(lambda: decodes() == decodes())
+    before = decodes()
+    raw = json.dumps(chat_body(max_tokens=2)).encode()
+    assert_served_whole(fb, post(fb, CHAT, raw, **{"x-prefiller-host-port": f"127.0.0.1:{closed_port()}"}), raw)
+    fb.reset()
+    last = "5a1e0000-0000-4000-8000-0000000fa11b"
+    assert post(fb, CHAT, chat_body(max_tokens=2), **{"x-request-id": last}).headers["x-emulator-worker"] == "decode"
+    # Envoy runs its access loggers in order: once the P/D request's log line is out, both requests'
+    # stats loggers have run, and a merged scrape holds whatever they recorded.
+    assert eventually(lambda: last in (fb.log_dir / "envoy.log").read_text())
+    assert eventually(lambda: decodes() == decodes() == before + 1), decodes()
 
 
 def test_tensorrt_llms_generation_worker_serves_a_fallback_whole(tmp_path: Path) -> None:

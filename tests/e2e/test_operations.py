@@ -24,9 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import stack as stack_module
 from extproc.config import load_settings
 from extproc.envoy_config import render_yaml
+from extproc.process import free_port
 from extproc.server import EXT_PROC_SERVICE
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
-from tests.helpers import CHAT, assert_error, chat_body, eventually, post, scrape
+from tests.helpers import CHAT, assert_error, chat_body, envoy_histogram, eventually, post, scrape, stream
 
 pytestmark = pytest.mark.dataplane
 
@@ -87,6 +88,51 @@ def test_traceparent_reaches_the_prefill_worker_and_decode(ops_stack: Stack) -> 
     for worker in (ops_stack.prefill, ops_stack.decode):
         headers = dict(worker.requests()[0]["headers"])
         assert {k: headers[k] for k in trace} == trace
+
+
+def test_envoy_times_the_first_token_at_decodes_first_event_not_its_response_head(ops_stack: Stack) -> None:
+    """Decode sends its response head at once and each SSE event 0.3 s apart (role, one token, [DONE]):
+    Envoy's TTFT must include the wait for the first event, its decode time all three waits. Lower
+    bounds the emulator causes, not speed: timed to the response head instead, TTFT would be a few ms."""
+    ops_stack.reset()
+    wait_ms = 300
+    ops_stack.decode.script({"token_interval": wait_ms / 1000})
+
+    def observed() -> tuple[tuple[float, float], tuple[float, float]]:
+        return (envoy_histogram(ops_stack, "pd_time_to_first_token_ms").get("{}", (0.0, 0.0)),
+                envoy_histogram(ops_stack, "pd_decode_ms").get('{code="200"}', (0.0, 0.0)))
+
+    assert eventually(lambda: observed() == observed())
+    (ttft_count, ttft_sum), (decode_count, decode_sum) = observed()
+    response, _ = stream(ops_stack, CHAT, chat_body(max_tokens=1, stream=True))
+    assert response.status_code == 200
+    assert eventually(lambda: observed()[0][0] == ttft_count + 1 and observed()[1][0] == decode_count + 1)
+    (_, ttft_after), (_, decode_after) = observed()
+    # Envoy's histograms keep two significant digits: 0.95 leaves room for that rounding alone.
+    assert ttft_after - ttft_sum >= 0.95 * wait_ms
+    assert decode_after - decode_sum >= 0.95 * 3 * wait_ms
+
+
+def test_the_stats_listener_serves_only_envoys_prometheus_page() -> None:
+    """PD_EXTPROC_ENVOY_STATS_LISTEN: a scraper gets the P/D histograms without the admin port, and
+    nothing else of the admin API (which could stop Envoy) is reachable through it."""
+    stats_port = free_port()
+    env = {"PD_EXTPROC_ENVOY_STATS_LISTEN": f"127.0.0.1:{stats_port}",
+           "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{free_port()}"}
+    with running_stack(env) as stack:
+        assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
+        url = f"http://127.0.0.1:{stats_port}"
+
+        def scraped() -> str:
+            return httpx.get(url + "/stats/prometheus", timeout=10).text
+
+        assert eventually(lambda: 'envoy_pd_decode_ms_count{code="200"} 1' in scraped())
+        assert httpx.post(url + "/quitquitquit", timeout=10).status_code == 404
+        assert httpx.post(url + "/stats/prometheus", timeout=10).status_code == 404
+        for path in ("/stats", "/config_dump", "/clusters", "/stats/prometheus/../../config_dump"):
+            assert httpx.get(url + path, timeout=10).status_code == 404, path
+        assert stack.envoy is not None and stack.envoy.child.alive()
+        assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
 
 
 @pytest.fixture(scope="module")

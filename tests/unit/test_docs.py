@@ -6,6 +6,7 @@ import json
 import re
 
 from extproc.config import SPECS
+from extproc.envoy_config import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT
 from extproc.metrics import NOT_ERROR_OUTCOMES, Metrics
 from tests.harness import REPO
 
@@ -22,12 +23,16 @@ def test_every_metric_is_documented_and_every_dashboard_query_uses_real_metrics(
     names = {metric.name for metric in Metrics().registry.collect()}
     for name in names:
         assert name in README, name
+    envoy_names = {f"envoy_{TIMING_STAT_PREFIX}_{name}" for name in (TTFT_STAT, DECODE_STAT)}
+    for name in envoy_names:
+        assert name in README, name
     dashboard = json.loads((REPO / "deploy" / "grafana" / "pd-extproc.json").read_text())
     for panel in dashboard["panels"]:
         assert panel["description"] and panel["title"] in README
         for target in panel["targets"]:
-            used = set(re.findall(r"pd_extproc_[a-z_]+", target["expr"]))
-            assert used and all(re.sub(r"_(bucket|total|count|sum)$", "", m) in names for m in used), target
+            used = set(re.findall(r"\b(?:envoy_pd|pd_extproc)_[a-z_]+", target["expr"]))
+            bare = {re.sub(r"_(bucket|total|count|sum)$", "", m) for m in used}
+            assert used and bare <= names | envoy_names, target
 
 
 def test_error_ratio_queries_exclude_exactly_the_outcomes_that_are_not_errors() -> None:
