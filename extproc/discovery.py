@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.prefill_json import preserved_status
+from extproc.adapters.prefill_json import upstream_status_error
 from extproc.errors import Code, PdError
 from extproc.transport import ResolvedTarget, Transport
 
@@ -51,7 +51,7 @@ class ServerInfoCache:
     async def _fetch(self, target: ResolvedTarget, path: str) -> dict[str, Any]:
         reply = await self._transport.get(target, path, self._headers)
         if reply.status != 200:
-            raise PdError(Code.PREFILL_UPSTREAM_ERROR, status=preserved_status(reply.status))
+            raise upstream_status_error(reply.status)
         try:
             info = orjson.loads(reply.body)
         except orjson.JSONDecodeError:

@@ -45,8 +45,10 @@ _STATS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stats.v3.Confi
 TIMING_STAT_PREFIX = "pd"
 TTFT_STAT = "time_to_first_token_ms"
 DECODE_STAT = "decode_ms"
-_PD_SERVED = ("xds.route_name == 'pd' && response.code_details == 'via_upstream'"
-              f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata)")
+# response.flags == 0: a stream the client abandoned keeps "via_upstream" but has no US_RX_END.
+_PD_SERVED = ("xds.route_name == 'pd' && response.code_details == 'via_upstream' && response.flags == 0u"
+              f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata"
+              f" && 'fallback' in metadata.filter_metadata['{METADATA_NAMESPACE}'])")
 # A stream's first body byte from decode: vLLM, SGLang and TensorRT-LLM send the response head as
 # soon as the request is accepted and the first SSE event once the first token exists.
 _STREAMED = "'content-type' in response.headers && response.headers['content-type'].startsWith('text/event-stream')"
@@ -275,8 +277,9 @@ def _stats_listener(address: Address) -> dict[str, Any]:
     """GET /stats/prometheus, proxied to the admin port; anything else 404. The admin port itself
     (which can also stop Envoy) stays on loopback."""
     routes = [
-        {"name": "stats",
-         "match": {"path": STATS_PATH, "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+        {"name": "stats",  # :path, not path: a query (filter=..., usedonly) is not passed to the admin API
+         "match": {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "GET"}},
+                                              {"name": ":path", "string_match": {"exact": STATS_PATH}}]},
          "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
         {"name": "not_found", "match": {"prefix": "/"}, "direct_response": {"status": 404}},
     ]
@@ -284,6 +287,7 @@ def _stats_listener(address: Address) -> dict[str, Any]:
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
             _TYPE: _HCM, "stat_prefix": "envoy_stats", "codec_type": "AUTO",
+            "request_headers_timeout": "10s", "stream_idle_timeout": "30s",
             "route_config": {"name": "envoy_stats", "virtual_hosts": [
                 {"name": "stats", "domains": ["*"], "routes": routes}]},
             "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}}],
@@ -354,9 +358,9 @@ def render(settings: Settings) -> dict[str, Any]:
         })
     return {
         "admin": {"address": _socket_address(settings.envoy_admin)},
-        # Histograms merged when scraped (/stats/prometheus), not on a 5 s timer: a scrape sees every
-        # request that has finished. No stats sink is configured, so nothing else waits on a flush.
-        "stats_flush_on_admin": True,
+        # Histograms are merged for /stats/prometheus at each flush: every second, not Envoy's 5 s
+        # (measured on this machine: idle Envoy 2.7 -> 4.0 ms of CPU per second).
+        "stats_flush_interval": "1s",
         "stats_config": {"histogram_bucket_settings": [{
             "match": {"prefix": f"{TIMING_STAT_PREFIX}."}, "buckets": list(TIMING_BUCKETS_MS)}]},
         "static_resources": {

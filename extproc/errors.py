@@ -148,11 +148,12 @@ class PdError(Exception):
     """
 
     def __init__(self, code: Code, *, field: str | None = None, problem: Problem | None = None,
-                 status: int | None = None) -> None:
+                 status: int | None = None, upstream_status: int | None = None) -> None:
         self.code = code
         self.field = field
         self.problem = problem
         self.status = status if status is not None else SPEC[code].status
+        self.upstream_status = upstream_status  # what the prefill worker answered, when it answered
         super().__init__(code.value if self.param is None else f"{code.value}: {self.param}")
 
     @property
@@ -165,7 +166,9 @@ class PdError(Exception):
     @property
     def allows_fallback(self) -> bool:
         """A failure of the prefill worker, not of the request: unreachable, too slow, or a 5xx."""
-        return self.code in FALLBACK_CODES and (self.code is not Code.PREFILL_UPSTREAM_ERROR or self.status >= 500)
+        if self.code is Code.PREFILL_UPSTREAM_ERROR:  # a 3xx is 502 to the client, yet no outage
+            return self.upstream_status is not None and 500 <= self.upstream_status <= 599
+        return self.code in FALLBACK_CODES
 
     @property
     def handoff_reason(self) -> str | None:

@@ -82,6 +82,10 @@ class Metrics:
             "pd_extproc_decode_queue_sheds",
             "P/D requests refused because the decode worker's queue was over the limit.", ["adapter"],
             registry=self.registry)
+        self.decode_queue_failures = Counter(
+            "pd_extproc_decode_queue_scrape_failures",
+            "Readings of the decode worker's queue gauges that gave no value, by reason.", ["reason"],
+            registry=self.registry)
         self.request_bytes = Histogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)

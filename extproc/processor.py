@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,7 +71,9 @@ class Pending:
     """What the headers phase learned, for the body phase of the same stream."""
 
     record: RequestRecord
-    target: ResolvedTarget
+    # The checked target, or (with fallback on) a failure of the prefill worker already known from
+    # the head, such as a name that did not resolve: the body phase serves that request whole.
+    target: ResolvedTarget | PdError
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +137,11 @@ class PdProcessor:
             if self._decode_queue is not None and self._decode_queue.over_limit():
                 self._metrics.decode_queue_sheds.labels(self._adapter_name).inc()
                 raise PdError(Code.PD_OVERLOADED)  # before any prefill: its KV would wait past the lease
-            target = await self._transport.resolve(parse_prefill_target(head.values(HEADER)))
+            target: ResolvedTarget | PdError = await self._transport.resolve(parse_prefill_target(head.values(HEADER)))
         except PdError as error:
-            return self._refuse(record, error)
+            if not (self._fallback and error.allows_fallback):
+                return self._refuse(record, error)
+            target = error
         except asyncio.CancelledError:
             self._finish(record, "cancelled", 499)
             raise
@@ -154,12 +158,18 @@ class PdProcessor:
         try:
             request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
             refuse_reserved(request.body, adapter.reserved_fields)
+            target = pending.target
+            if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
+                raise target  # only a sequential flow can serve a request whole
             self._admission.enter()
             self._metrics.inflight.inc()
             if isinstance(adapter, ConcurrentAdapter):
-                return await self._start_concurrent(adapter, head, request, pending.target, record)
+                assert not isinstance(target, PdError)
+                return await self._start_concurrent(adapter, head, request, target, record)
             try:
-                response = await self._run_sequential(adapter, head, request, pending.target, record)
+                if isinstance(target, PdError):
+                    raise target
+                response = await self._run_sequential(adapter, head, request, target, record)
             except PdError as error:
                 if not (self._fallback and error.allows_fallback):
                     raise
@@ -195,9 +205,7 @@ class PdProcessor:
         """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback)."""
         record.outcome, record.fallback_reason = "prefill_fallback", error.code.value
         self._metrics.fallbacks.labels(record.adapter, error.code.value).inc()
-        decision = adapter.aggregated(request)
-        remove = sorted(adapter.reserved_headers)
-        return msg.replace_body(decision.body, decision.headers, remove, metadata={"fallback": "aggregated"})
+        return self._decode_reply(adapter, adapter.aggregated(request), metadata={"fallback": "aggregated"})
 
     async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
@@ -304,10 +312,11 @@ class PdProcessor:
         finally:
             record.trace.end_prefill(record.prefill_status)
 
-    def _decode_reply(self, adapter: Adapter, decision: DecodeWith) -> pb.ProcessingResponse:
+    def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
+                      metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
         overridden = {name for name, _ in decision.headers}
         remove = sorted(name for name in adapter.reserved_headers if name not in overridden)
-        return msg.replace_body(decision.body, decision.headers, remove)
+        return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
 
     def _leave(self) -> None:
         self._admission.leave()

@@ -15,6 +15,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from math import nan
 from typing import TYPE_CHECKING
 
 import grpc
@@ -139,10 +140,13 @@ def _decode_queue(settings: Settings, transport: PrefillClient, decode: Resolved
     engine = ENGINES.get(settings.adapter)
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
-    return DecodeQueueWatch(transport, decode, engine.decode_queue, settings.decode_queue_limit,
-                            settings.decode_queue_interval,
-                            on_reading=lambda waiting: metrics.decode_queue.set(float("nan") if waiting is None
-                                                                                else waiting))
+    watch = DecodeQueueWatch(transport, decode, engine.decode_queue, settings.decode_queue_limit,
+                             settings.decode_queue_interval,
+                             on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc())
+    # Read at scrape time from the watch, the reading's one owner: NaN exactly when the limit has
+    # nothing fresh to act on.
+    metrics.decode_queue.set_function(lambda: nan if watch.waiting is None else watch.waiting)
+    return watch
 
 
 def _tracing(settings: Settings) -> Tracing | None:

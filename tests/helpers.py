@@ -90,9 +90,29 @@ def scrape(stack: Stack) -> dict[str, float]:
     return samples
 
 
+def envoy_logged(stack: Stack, *request_ids: str) -> None:
+    """Wait until Envoy's access log has a line for each request: its access loggers (the stats ones
+    included) have then run."""
+    log = stack.log_dir / "envoy.log"
+    assert eventually(lambda: all(request_id in log.read_text() for request_id in request_ids)), request_ids
+
+
+def envoy_stats_settled(stack: Stack) -> None:
+    """Wait for two of Envoy's stats flushes (every second; each sets server.uptime): what was
+    recorded before this call is then in the merged histograms."""
+    assert stack.envoy is not None
+    envoy = stack.envoy
+
+    def uptime() -> int:
+        return int(envoy.admin_get("/stats?filter=^server.uptime$").decode().rsplit(":", 1)[1])
+
+    start = uptime()
+    assert eventually(lambda: uptime() >= start + 2)
+
+
 def envoy_histogram(stack: Stack, name: str) -> dict[str, tuple[float, float]]:
-    """Envoy's histogram ``name`` from its admin port (Prometheus text) as {labels: (count, sum)}. A
-    scrape merges the histograms for the next one (stats_flush_on_admin), so poll with eventually."""
+    """Envoy's histogram ``name`` from its admin port (Prometheus text) as {labels: (count, sum)}, as
+    of its last stats flush (see envoy_stats_settled)."""
     assert stack.envoy is not None
     counts: dict[str, float] = {}
     sums: dict[str, float] = {}

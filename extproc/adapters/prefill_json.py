@@ -13,16 +13,17 @@ from extproc.errors import Code, PdError
 _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 
 
-def preserved_status(status: int) -> int:
-    """The status a client gets for a non-200 prefill answer: 4xx and 5xx keep their exact value
-    (so the class is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502."""
-    return status if 400 <= status <= 599 else 502
+def upstream_status_error(status: int) -> PdError:
+    """A non-200 prefill answer. The client's status: 4xx and 5xx keep their exact value (so the class
+    is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502."""
+    return PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502,
+                   upstream_status=status)
 
 
 def parse_prefill_object(reply: PrefillReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
     """The reply's JSON object and its top-level member spans. Never relays the reply body."""
     if reply.status != 200:
-        raise PdError(Code.PREFILL_UPSTREAM_ERROR, status=preserved_status(reply.status))
+        raise upstream_status_error(reply.status)
     media = (reply.content_type or "").split(";", 1)[0].strip().lower()
     if media == "text/event-stream" or reply.body.lstrip().startswith(_SSE_PREFIXES):
         raise PdError(Code.PREFILL_RESPONSE_STREAMED)

@@ -21,6 +21,7 @@ import orjson
 
 from extproc import ready
 from extproc.process import Child
+from extproc.prom_text import sample_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +118,9 @@ class EmulatedWorker:
         return self._ok("GET", "/metrics").decode()
 
     def metric(self, name: str) -> float:
-        for line in self.metrics_text().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
+        """The first sample of ``name`` on the worker's metrics page."""
+        for value in sample_values(self.metrics_text(), {name}):
+            return value
         raise KeyError(name)
 
 

@@ -10,6 +10,7 @@ test_trtllm_pd.py.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from tests.helpers import (
     closed_port,
     completion_body,
     envoy_histogram,
+    envoy_logged,
+    envoy_stats_settled,
     eventually,
     ext_proc_streams,
     only,
@@ -109,6 +112,20 @@ def test_a_pd_request_runs_one_prefill_and_one_decode_leg(stack: Stack, path: st
             assert decode["json"][name] == value, f"decode keeps the client's {name}"
 
 
+def test_routing_headers_each_leg_sees(stack: Stack) -> None:
+    """The picker's headers reach no engine; a data-parallel rank is the decode engine's: decode
+    keeps it, the prefill leg never carries it (its rank is its port)."""
+    headers = {"x-encoder-hosts-ports": "10.0.0.2:8000,10.0.0.3:8000", "x-kv-cache-source-host-port": "10.0.0.4:8000",
+               "x-data-parallel-rank": "0", "x-custom": "kept"}
+    assert post(stack, CHAT, chat_body(max_tokens=3), **headers).status_code == 200
+    assert eventually(lambda: len(stack.prefill.requests()) == 1)
+    prefill, decode = dict(only(stack.prefill.requests())["headers"]), dict(only(stack.decode.requests())["headers"])
+    for name in ("x-prefiller-host-port", "x-encoder-hosts-ports", "x-kv-cache-source-host-port"):
+        assert name not in prefill and name not in decode, name
+    assert "x-data-parallel-rank" not in prefill and decode["x-data-parallel-rank"] == "0"
+    assert prefill["x-custom"] == decode["x-custom"] == "kept"
+
+
 # --- refused before any leg ------------------------------------------------------------------------
 
 
@@ -162,15 +179,25 @@ def pd_timings(stack: Stack) -> tuple[float, float]:
 
 def test_envoy_times_first_token_of_pd_streams_and_every_pd_decode_leg(stack: Stack) -> None:
     """A P/D stream adds one TTFT and one decode observation, a P/D JSON answer one decode observation;
-    a passthrough and a request refused before any leg add none."""
-    assert eventually(lambda: pd_timings(stack) == pd_timings(stack))  # merged and stable
+    a passthrough and a request refused before any leg add none. Each step is read once Envoy has
+    logged its requests and merged its histograms since."""
+    ids = [str(uuid.uuid4()) for _ in range(4)]
+    envoy_stats_settled(stack)
     ttft, decode = pd_timings(stack)
     with stack.client() as client:
         client.post(COMPLETIONS, content=json.dumps(completion_body(max_tokens=2)),
-                    headers={"content-type": "application/json"})
-    assert_error(post(stack, CHAT, chat_body(n=2)), 400, "unsupported_pd_variant")
-    response, _ = stream(stack, CHAT, chat_body(max_tokens=3, stream=True))
+                    headers={"content-type": "application/json", "x-request-id": ids[0]})
+    assert_error(post(stack, CHAT, chat_body(n=2), **{"x-request-id": ids[1]}), 400, "unsupported_pd_variant")
+    envoy_logged(stack, *ids[:2])
+    envoy_stats_settled(stack)
+    assert pd_timings(stack) == (ttft, decode), "a passthrough and a refusal are not P/D timings"
+    response, _ = stream(stack, CHAT, chat_body(max_tokens=3, stream=True), **{"x-request-id": ids[2]})
     assert_event_stream(response)
-    assert_served_by_decode(post(stack, COMPLETIONS, completion_body(max_tokens=3)))
-    assert eventually(lambda: pd_timings(stack) == (ttft + 1, decode + 2)), pd_timings(stack)
-    assert ("{code=\"200\"}") in envoy_histogram(stack, "pd_decode_ms"), "decode time is labelled by status"
+    envoy_logged(stack, ids[2])
+    envoy_stats_settled(stack)
+    assert pd_timings(stack) == (ttft + 1, decode + 1)
+    assert_served_by_decode(post(stack, COMPLETIONS, completion_body(max_tokens=3), **{"x-request-id": ids[3]}))
+    envoy_logged(stack, ids[3])
+    envoy_stats_settled(stack)
+    assert pd_timings(stack) == (ttft + 1, decode + 2), "a JSON answer has a decode time and no TTFT"
+    assert '{code="200"}' in envoy_histogram(stack, "pd_decode_ms"), "decode time is labelled by status"

@@ -27,7 +27,18 @@ from extproc.envoy_config import render_yaml
 from extproc.process import free_port
 from extproc.server import EXT_PROC_SERVICE
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
-from tests.helpers import CHAT, assert_error, chat_body, envoy_histogram, eventually, post, scrape, stream
+from tests.helpers import (
+    CHAT,
+    assert_error,
+    chat_body,
+    envoy_histogram,
+    envoy_logged,
+    envoy_stats_settled,
+    eventually,
+    post,
+    scrape,
+    stream,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -102,12 +113,15 @@ def test_envoy_times_the_first_token_at_decodes_first_event_not_its_response_hea
         return (envoy_histogram(ops_stack, "pd_time_to_first_token_ms").get("{}", (0.0, 0.0)),
                 envoy_histogram(ops_stack, "pd_decode_ms").get('{code="200"}', (0.0, 0.0)))
 
-    assert eventually(lambda: observed() == observed())
+    envoy_stats_settled(ops_stack)
     (ttft_count, ttft_sum), (decode_count, decode_sum) = observed()
-    response, _ = stream(ops_stack, CHAT, chat_body(max_tokens=1, stream=True))
+    request_id = "5a1e0000-0000-4000-8000-00000000771f"
+    response, _ = stream(ops_stack, CHAT, chat_body(max_tokens=1, stream=True), **{"x-request-id": request_id})
     assert response.status_code == 200
-    assert eventually(lambda: observed()[0][0] == ttft_count + 1 and observed()[1][0] == decode_count + 1)
-    (_, ttft_after), (_, decode_after) = observed()
+    envoy_logged(ops_stack, request_id)
+    envoy_stats_settled(ops_stack)
+    (ttft_after_count, ttft_after), (decode_after_count, decode_after) = observed()
+    assert (ttft_after_count, decode_after_count) == (ttft_count + 1, decode_count + 1)
     # Envoy's histograms keep two significant digits: 0.95 leaves room for that rounding alone.
     assert ttft_after - ttft_sum >= 0.95 * wait_ms
     assert decode_after - decode_sum >= 0.95 * 3 * wait_ms
@@ -120,16 +134,16 @@ def test_the_stats_listener_serves_only_envoys_prometheus_page() -> None:
     env = {"PD_EXTPROC_ENVOY_STATS_LISTEN": f"127.0.0.1:{stats_port}",
            "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{free_port()}"}
     with running_stack(env) as stack:
-        assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
+        request_id = "5a1e0000-0000-4000-8000-000000005747"
+        assert post(stack, CHAT, chat_body(max_tokens=2), **{"x-request-id": request_id}).status_code == 200
         url = f"http://127.0.0.1:{stats_port}"
-
-        def scraped() -> str:
-            return httpx.get(url + "/stats/prometheus", timeout=10).text
-
-        assert eventually(lambda: 'envoy_pd_decode_ms_count{code="200"} 1' in scraped())
+        envoy_logged(stack, request_id)
+        envoy_stats_settled(stack)
+        assert 'envoy_pd_decode_ms_count{code="200"} 1' in httpx.get(url + "/stats/prometheus", timeout=10).text
         assert httpx.post(url + "/quitquitquit", timeout=10).status_code == 404
         assert httpx.post(url + "/stats/prometheus", timeout=10).status_code == 404
-        for path in ("/stats", "/config_dump", "/clusters", "/stats/prometheus/../../config_dump"):
+        for path in ("/stats", "/config_dump", "/clusters", "/stats/prometheus?filter=.*&format=json",
+                     "/stats/prometheus?usedonly"):
             assert httpx.get(url + path, timeout=10).status_code == 404, path
         assert stack.envoy is not None and stack.envoy.child.alive()
         assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200

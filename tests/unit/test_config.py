@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.adapters.prefill_json import upstream_status_error
 from extproc.config import ENV_PREFIX, SPECS, ConfigError, Settings, load_settings
 from extproc.errors import Code, PdError
 from extproc.units import format_duration, parse_address, parse_duration, parse_size
@@ -102,13 +103,20 @@ def test_fallback_is_refused_where_the_decode_worker_cannot_serve_a_request_whol
     assert load_settings({"PD_EXTPROC_PREFILL_FALLBACK": "aggregated"}, {}).prefill_fallback == "aggregated"
 
 
-@pytest.mark.parametrize("code,status,falls_back", [
-    (Code.PREFILL_UPSTREAM_UNAVAILABLE, None, True), (Code.PREFILL_UPSTREAM_TIMEOUT, None, True),
-    (Code.PREFILL_UPSTREAM_ERROR, 503, True), (Code.PREFILL_UPSTREAM_ERROR, 500, True),
-    (Code.PREFILL_UPSTREAM_ERROR, 429, False), (Code.PREFILL_UPSTREAM_ERROR, 400, False),
-    (Code.INVALID_PREFILL_HANDOFF, None, False), (Code.PREFILL_RESPONSE_NOT_JSON, None, False),
-    (Code.PREFILL_TARGET_FORBIDDEN, None, False), (Code.RESERVED_REQUEST_FIELD, None, False),
-    (Code.PD_OVERLOADED, None, False),
+@pytest.mark.parametrize("code,falls_back", [
+    (Code.PREFILL_UPSTREAM_UNAVAILABLE, True), (Code.PREFILL_UPSTREAM_TIMEOUT, True),
+    (Code.INVALID_PREFILL_HANDOFF, False), (Code.PREFILL_RESPONSE_NOT_JSON, False),
+    (Code.PREFILL_TARGET_FORBIDDEN, False), (Code.RESERVED_REQUEST_FIELD, False), (Code.PD_OVERLOADED, False),
 ])
-def test_only_failures_of_the_prefill_worker_fall_back(code: Code, status: int | None, falls_back: bool) -> None:
-    assert PdError(code, status=status).allows_fallback is falls_back
+def test_only_failures_of_the_prefill_worker_fall_back(code: Code, falls_back: bool) -> None:
+    assert PdError(code).allows_fallback is falls_back
+
+
+@pytest.mark.parametrize("answered,client_status,falls_back", [
+    (503, 503, True), (500, 500, True), (599, 599, True), (429, 429, False), (400, 400, False),
+    # Not an outage, though the client gets a 502: a redirecting ingress must be seen, not hidden.
+    (302, 502, False), (204, 502, False), (101, 502, False),
+])
+def test_only_a_5xx_answer_falls_back(answered: int, client_status: int, falls_back: bool) -> None:
+    error = upstream_status_error(answered)
+    assert (error.code, error.status, error.allows_fallback) == (Code.PREFILL_UPSTREAM_ERROR, client_status, falls_back)

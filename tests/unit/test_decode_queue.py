@@ -27,23 +27,49 @@ def test_every_label_set_of_the_named_gauges_is_summed_and_nothing_else() -> Non
     assert waiting_from(PAGE, ["sglang:num_queue_reqs"]) is None
 
 
-def test_over_the_limit_refuses_and_a_stale_or_failed_reading_never_does() -> None:
+def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> None:
+    """A failed or slow scrape gives no reading; the last one stands until it is too old, then
+    nothing is refused."""
     async def run() -> None:
         now = [100.0]
         transport = FakeTransport()
+        failures: list[str] = []
         watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
-                                 limit=4, interval=1.0, clock=lambda: now[0])
-        transport.answers.append(PrefillReply(200, "text/plain", PAGE.encode()))
-        await watch.read_once()
-        assert watch.waiting == 5.0 and watch.over_limit()
+                                 limit=4, interval=1.0, on_failure=failures.append, clock=lambda: now[0])
+        assert watch.waiting is None and not watch.over_limit(), "no reading yet"
+        for failure in (PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE), PrefillReply(500, "text/plain", b""),
+                        PrefillReply(200, "text/plain", b"other_metric 9\n")):
+            transport.answers.append(PrefillReply(200, "text/plain", PAGE.encode()))
+            await watch.read_once()
+            transport.answers.append(failure)
+            await watch.read_once()
+            assert watch.waiting == 5.0 and watch.over_limit(), f"{failure!r}: the last reading stands"
+            now[0] += 3.5  # three intervals without a new reading: too old to act on
+            assert watch.waiting is None and not watch.over_limit()
+        assert failures == ["prefill_upstream_unavailable", "status_500", "no_gauge"]
         assert transport.calls[0].path == "/metrics" and transport.calls[0].target == DECODE
-        now[0] += 3.5  # three intervals without a new reading: too old to act on
-        assert watch.waiting is None and not watch.over_limit()
-        transport.answers.append(PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE))
-        await watch.read_once()
-        assert not watch.over_limit()
-        transport.answers.append(PrefillReply(500, "text/plain", b""))
-        await watch.read_once()
-        assert watch.waiting is None
 
     asyncio.run(run())
+
+
+def test_a_scrape_slower_than_the_interval_gives_no_reading() -> None:
+    async def run() -> None:
+        transport = FakeTransport()
+        failures: list[str] = []
+        watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
+                                 limit=4, interval=0.01, on_failure=failures.append)
+
+        async def never() -> PrefillReply:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        transport.answers.append(never)
+        await watch.read_once()
+        assert failures == ["timeout"] and watch.waiting is None
+
+    asyncio.run(run())
+
+
+def test_samples_with_timestamps_and_quoted_braces_are_read() -> None:
+    page = 'vllm:num_requests_waiting{model_name="a } b \\" {"} 3 1700000000000\nvllm:num_requests_waiting 2\n'
+    assert waiting_from(page, ["vllm:num_requests_waiting"]) == 5.0

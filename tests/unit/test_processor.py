@@ -55,28 +55,30 @@ class FakeTransport:
 
     answers: deque[Answer] = field(default_factory=deque)
     calls: list[Call] = field(default_factory=list)
+    resolve_error: PdError | None = None  # raised by resolve (a name that did not resolve)
 
     async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
+        if self.resolve_error is not None:
+            raise self.resolve_error
         assert target.ip is not None
         return ResolvedTarget(target, target.ip)
 
     async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
                    record: RequestRecord | None = None, bounds: Bounds | None = None) -> PrefillReply:
         self.calls.append(Call("POST", target, path, list(headers), body, bounds))
+        return await self._answer()
+
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
+        self.calls.append(Call("GET", target, path, list(headers), None))
+        return await self._answer()
+
+    async def _answer(self) -> PrefillReply:
         answer = self.answers.popleft()
         if isinstance(answer, PdError):
             raise answer
         if isinstance(answer, PrefillReply):
             return answer
         return await answer()
-
-    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
-        self.calls.append(Call("GET", target, path, list(headers), None))
-        answer = self.answers.popleft()
-        if isinstance(answer, PdError):
-            raise answer
-        assert isinstance(answer, PrefillReply)
-        return answer
 
     async def aclose(self) -> None:
         return None
@@ -103,10 +105,10 @@ class Rig:
                 if sample.name.endswith("_total")}
 
 
-def rig(adapter: Adapter, limit: int = 4) -> Rig:
+def rig(adapter: Adapter, limit: int = 4, fallback: bool = False) -> Rig:
     transport, admission, metrics, background = FakeTransport(), Admission(limit), Metrics(), BackgroundPrefills()
     processor = PdProcessor(adapter, transport, max_request_bytes=1 << 20, admission=admission, metrics=metrics,
-                            background=background, decode=DECODE, nonce=lambda: 0x1234)
+                            background=background, decode=DECODE, fallback=fallback, nonce=lambda: 0x1234)
     return Rig(processor, transport, admission, metrics, background)
 
 
@@ -203,6 +205,27 @@ def test_an_upstream_error_is_the_clients_answer_and_decode_gets_nothing() -> No
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
         assert error_code(outcome.response) == "prefill_upstream_timeout"
         assert r.transport.posts_to(DECODE) == [] and r.admission.inflight == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "off"])
+def test_a_prefill_name_that_does_not_resolve_falls_back_only_when_asked(fallback: bool) -> None:
+    """The failure is known from the head; with fallback on, the body phase serves the client's own
+    body whole (no prefill leg), otherwise the head is refused."""
+    async def run() -> None:
+        r = rig(VllmNixlAdapter(), fallback=fallback)
+        r.transport.resolve_error = PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE)
+        pending = await r.processor.on_headers(head())
+        if not fallback:
+            assert isinstance(pending, pb.ProcessingResponse)
+            assert error_code(pending) == "prefill_upstream_unavailable" and r.transport.calls == []
+            return
+        assert isinstance(pending, Pending)
+        raw = json.dumps(CHAT_BODY).encode()
+        outcome = await r.processor.on_body(head(), pending, raw)
+        assert outcome.response.request_body.response.body_mutation.body == raw
+        assert r.transport.calls == [] and r.admission.inflight == 0 and r.outcomes() == {"prefill_fallback": 1.0}
 
     asyncio.run(run())
 

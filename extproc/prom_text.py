@@ -1,0 +1,48 @@
+"""Sample values out of a Prometheus text page (exposition format 0.0.4), for the few gauges we read.
+
+Only what we need: the value of each sample of the named metrics, whatever its labels and with or
+without a timestamp. Label values are quoted and may hold spaces, braces and escaped quotes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Set
+
+
+def _after_labels(line: str, start: int) -> int | None:
+    """The index after the ``}`` closing the label set that opens at ``start``; None if it never closes."""
+    quoted = escaped = False
+    for index in range(start + 1, len(line)):
+        char = line[index]
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = quoted
+        elif char == '"':
+            quoted = not quoted
+        elif char == "}" and not quoted:
+            return index + 1
+    return None
+
+
+def sample_values(text: str, names: Set[str]) -> Iterator[float]:
+    """Each sample value of the named metrics, in page order; malformed lines are skipped."""
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(None, 1)[0]  # str methods: most lines are not ours
+        if name not in names:
+            continue
+        end = len(name)
+        rest: int | None = end
+        if line[end:end + 1] == "{":
+            rest = _after_labels(line, end)
+        if rest is None:
+            continue
+        fields = line[rest:].split()
+        if not 1 <= len(fields) <= 2:  # the value, and an optional timestamp
+            continue
+        try:
+            yield float(fields[0])
+        except ValueError:
+            continue
