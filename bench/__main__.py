@@ -14,7 +14,7 @@ import orjson
 
 from bench import machine, markdown, report
 from bench.run import Options, Run, execute
-from bench.systems import REPO, default_tools, running_fleet
+from bench.systems import REPO, WORKER_SETS, default_tools, running_fleet
 from extproc.process import StackError
 
 BENCH_DIR = REPO / "bench"
@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
                         help="Python with matplotlib (runs bench/plot.py)")
     parser.add_argument("--command", default="make bench", help="the command named in RESULTS.md")
+    parser.add_argument("--sets", nargs="+", choices=WORKER_SETS, default=list(WORKER_SETS),
+                        help="worker sets to run (default: all; the memory and 20 MiB phases need emulated)")
     return parser
 
 
@@ -67,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
               started=_utc_now())
     _log(f"machine: {run.machine}")
     try:
-        with running_fleet(tools, log_dir) as fleet:
-            _log("started: " + ", ".join(f"{s.name} {s.url}" for s in fleet.systems.values()))
+        with running_fleet(tools, log_dir, tuple(args.sets)) as fleet:
+            _log("started: " + ", ".join(f"{s.workers}/{s.name} {s.url}" for s in fleet.systems()))
             execute(fleet, options, args.out, run, _log)
     except StackError as error:
         _log(f"could not start the fleet: {error}")

@@ -1,14 +1,18 @@
 """What our Envoy bootstrap costs a passthrough request, filter by filter (a side experiment).
 
 The main run compares our bootstrap with "Envoy alone" (router filter only, no access log). This
-starts one emulated decode worker and five Envoys, each our rendered bootstrap with parts removed,
-and measures non-streaming passthrough requests through each, interleaved over rounds:
+starts one cheap decode worker (bench/cheap_worker.py, so Envoy's own cost is what shows) and one Envoy
+per variant, each our rendered bootstrap with parts changed, and measures non-streaming passthrough
+requests through each, interleaved over rounds:
 
-    ours                 the rendered bootstrap as shipped
+    ours                 the rendered bootstrap as shipped (ext_proc disabled by default, enabled by route pd)
+    per-route-disabled   ext_proc in the chain for every request, disabled on route passthrough by
+                         ExtProcPerRoute (what we shipped before issue 17)
     no-access-log        without the JSON access log
     no-body-limit        without the body_size_limit filter
     router-only          without body_size_limit and ext_proc (the route's per-filter config removed)
-    router-only-no-log   router only and no access log: the closest to "Envoy alone"
+    router-only-no-log   router only and no access log
+    envoy-alone          bench/envoy_plain.py, the main run's "Envoy alone"
 
     .venv/bin/python -m bench.filters [--rounds 4] [--seconds 3] [--concurrency 1 16]
 """
@@ -26,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from bench import wrk
+from bench import envoy_plain, procs, wrk
 from bench.systems import default_tools
-from bench.workers import emulated_vllm
+from bench.workers import CheapWorker
 from bench.workload import write_bodies
 from extproc import process
 from extproc.config import load_settings
@@ -51,6 +55,17 @@ def _without_body_limit(config: Config) -> None:
                                     if f["name"] != "envoy.filters.http.body_size_limit"]
 
 
+def _per_route_disabled(config: Config) -> None:
+    for http_filter in _hcm(config)["http_filters"]:
+        http_filter.pop("disabled", None)
+    for route in _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]:
+        route.pop("typed_per_filter_config", None)
+        if route["name"] == "passthrough":
+            route["typed_per_filter_config"] = {"envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True}}
+
+
 def _router_only(config: Config) -> None:
     _hcm(config)["http_filters"] = [f for f in _hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.router"]
     for route in _hcm(config)["route_config"]["virtual_hosts"][0]["routes"]:
@@ -59,10 +74,12 @@ def _router_only(config: Config) -> None:
 
 VARIANTS: dict[str, list[Callable[[Config], None]]] = {
     "ours": [],
+    "per-route-disabled": [_per_route_disabled],
     "no-access-log": [_without_access_log],
     "no-body-limit": [_without_body_limit],
     "router-only": [_router_only],
     "router-only-no-log": [_router_only, _without_access_log],
+    "envoy-alone": [],  # replaced whole by envoy_plain's bootstrap
 }
 
 
@@ -74,7 +91,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     tools = default_tools()
     log_dir = Path(tempfile.mkdtemp(prefix="pd-bench-filters-"))
-    decode = emulated_vllm("decode", log_dir)
+    decode = CheapWorker("vllm", "decode", log_dir, "cheap-decode")
     envoys: list[process.EnvoyProcess] = []
     try:
         decode.start()
@@ -87,6 +104,8 @@ def main(argv: list[str]) -> int:
             config = copy.deepcopy(base)
             for edit in edits:
                 edit(config)
+            if name == "envoy-alone":
+                config = envoy_plain.render(int(decode.address.rsplit(":", 1)[1]))
             workdir = log_dir / name
             workdir.mkdir()
             (workdir / "envoy.yaml").write_text(yaml.safe_dump(config))
@@ -96,21 +115,29 @@ def main(argv: list[str]) -> int:
         script = log_dir / "non-stream.lua"
         script.write_text(wrk.lua_script(write_bodies(log_dir)["non-stream"], {}))
         results: dict[tuple[str, int], list[wrk.WrkResult]] = {}
+        cpu: dict[tuple[str, int], list[float]] = {}
+        pids = {name: envoy.child.process.pid for name, envoy in zip(VARIANTS, envoys, strict=True)
+                if envoy.child.process is not None}
         names = list(VARIANTS)
         for round_number in range(args.rounds):
             rotated = names[round_number % len(names):] + names[:round_number % len(names)]
             for concurrency in args.concurrency:
                 for name in rotated:
-                    results.setdefault((name, concurrency), []).append(
-                        wrk.run(urls[name], script, concurrency, args.seconds))
-        print("| variant | " + " | ".join(f"c={c} req/s | c={c} p50 µs" for c in args.concurrency) + " |")
-        print("|---|" + "---|---|" * len(args.concurrency))
+                    before = procs.cpu_seconds(pids[name])
+                    result = wrk.run(urls[name], script, concurrency, args.seconds)
+                    results.setdefault((name, concurrency), []).append(result)
+                    cpu.setdefault((name, concurrency), []).append(
+                        (procs.cpu_seconds(pids[name]) - before) / max(result.requests, 1) * 1e6)
+        print("| variant | " + " | ".join(f"c={c} req/s | c={c} p50 µs | c={c} Envoy CPU µs/req"
+                                        for c in args.concurrency) + " |")
+        print("|---|" + "---|---|---|" * len(args.concurrency))
         for name in names:
             cells = []
             for concurrency in args.concurrency:
                 runs = results[(name, concurrency)]
                 cells.append(f"{statistics.median(r.rps for r in runs):.0f}")
                 cells.append(f"{statistics.median(r.p50_us for r in runs):.0f}")
+                cells.append(f"{statistics.median(cpu[(name, concurrency)]):.0f}")
             print(f"| {name} | " + " | ".join(cells) + " |")
         print(f"\n(medians over {args.rounds} interleaved rounds of {args.seconds} s; logs in {log_dir})")
     finally:

@@ -19,8 +19,8 @@ import aiohttp
 
 from bench import procs
 from bench.systems import System
-from bench.workers import Worker
 from bench.workload import CHAT_PATH
+from extproc.emulator.worker import EmulatedWorker
 
 
 @dataclass
@@ -79,11 +79,12 @@ async def _send_all(url: str, headers: Mapping[str, str], body: bytes, count: in
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
-def _count_waiting(worker: Worker) -> int:
+def _count_waiting(worker: EmulatedWorker) -> int:
     return sum(1 for r in worker.requests() if r["target"].startswith("/v1/") and r["outcome"] == "pending")
 
 
-def measure(system: System, slow: Worker, body: bytes, count: int = 1000, delay: float = 5.0) -> InflightResult:
+def measure(system: System, slow: EmulatedWorker, role: str, body: bytes, count: int = 1000,
+            delay: float = 5.0) -> InflightResult:
     """Hold ``count`` requests in flight for ``delay`` seconds at ``slow``; report each process's memory."""
     slow.reset()
     slow.script(*[{"delay": delay}] * count)
@@ -101,7 +102,7 @@ def measure(system: System, slow: Worker, body: bytes, count: int = 1000, delay:
         counter.join()
         sampled = sampler.finish()
         slow.reset()
-    result = InflightResult(system.name, slow.role, count, statuses.count(200), _histogram(statuses),
+    result = InflightResult(system.name, role, count, statuses.count(200), _histogram(statuses),
                             counted[0] if counted else 0, seconds=time.monotonic() - started)
     for role, pid in system.processes.items():
         kernel_peak = procs.peak_rss_bytes(pid) if peak_was_reset[role] else 0  # else: the lifetime peak

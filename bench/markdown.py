@@ -10,7 +10,23 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "vllm-router")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
+SET_ORDER = ("cheap", "cheap-sglang", "emulated")
+SET_TITLES = {
+    "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
+    "cheap-sglang": "Cheap SGLang-shaped workers: pd-extproc's sglang adapter vs sglang-router",
+    "emulated": "Emulated vLLM workers with a KV ledger (proves every handoff was consumed; the workers cost "
+                "about as much as the proxies)",
+}
+SET_DESCRIPTIONS = {
+    "cheap": "`bench/cheap_worker.py --engine vllm`: canned answers written at once, no JSON parsing; counts "
+             "producer legs (prefill asked for a handoff), consumer legs (decode got a handoff naming the "
+             "prefill's engine id) and distinct handoff ids",
+    "cheap-sglang": "`bench/cheap_worker.py --engine sglang`: the same, SGLang-shaped; counts requests carrying "
+                    "`bootstrap_room` (and, at decode, `bootstrap_host`)",
+    "emulated": "`pd-extproc emulate` (extproc/emulator/vllm.py): vLLM 0.32 shapes, KV leases granted by "
+                "prefill and pulled by decode over its side channel, every pull counted",
+}
 SYSTEM_DESCRIPTIONS = {
     "direct": "client -> emulated decode worker (the floor)",
     "direct-prefill": "client -> emulated prefill worker, max_tokens 16, no KV params (reference: the prefill "
@@ -20,6 +36,8 @@ SYSTEM_DESCRIPTIONS = {
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
+    "sglang-router": "client -> sglang-router 0.3.2 `launch --pd-disaggregation --log-level warn` -> prefill and "
+                     "decode at once, with bootstrap fields (cheap-sglang workers only)",
 }
 
 
@@ -35,6 +53,15 @@ def _ms(value: float | None) -> str:
 
 def _ordered(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(cells, key=lambda c: (SYSTEM_ORDER.index(c["system"]), c["body"], c["concurrency"]))
+
+
+def _of_set(cells: list[dict[str, Any]], workers: str) -> list[dict[str, Any]]:
+    return [c for c in cells if c.get("workers", "emulated") == workers]
+
+
+def set_levels(options: dict[str, Any], workers: str) -> list[int]:
+    key = {"cheap-sglang": "sglang_concurrency", "emulated": "emulated_concurrency"}.get(workers, "concurrency")
+    return list(options.get(key, options["concurrency"]))
 
 
 def _by_concurrency(cells: list[dict[str, Any]], body: str, levels: Sequence[int],
@@ -90,45 +117,81 @@ def header(results: dict[str, Any], command: str) -> list[str]:
            "measured before that.**", ""] if results.get("incomplete") else []),
         *_table(["machine", ""], [[k, v] for k, v in machine.items()]),
         "",
+        "Worker sets (each system runs on the workers of its set; ratios are taken within a set):",
+        "",
+        *_table(["workers", "what"], [[f"`{w}`", SET_DESCRIPTIONS[w]] for w in SET_ORDER]),
+        "",
         f"Method: {options['rounds']} interleaved rounds of {options['seconds']} s per point (wrk, closed loop, "
         "one keep-alive connection per client, request timed from first byte written to last byte read, so a "
         "stream is timed to its end), concurrency "
         + ", ".join(str(c) for c in options["concurrency"])
         + "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
-        "Added latency = system minus direct decode in the same round, median over rounds. Every system hits "
-        "the same two emulated workers (one prefill, one decode); a non-streaming request asks for 16 tokens, "
-        "a streaming one gets 17 SSE events and `[DONE]`. Every point is checked against the workers' "
-        "counters: each P/D request must run a prefill leg and a decode that pulled its KV blocks.",
+        " (cheap workers; cheap-sglang: " + ", ".join(str(c) for c in set_levels(options, "cheap-sglang"))
+        + "; emulated: " + ", ".join(str(c) for c in set_levels(options, "emulated")) + ")"
+        "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
+        "Added latency = system minus direct decode in the same round on the same workers, median over rounds. "
+        "The systems of a set hit the same two workers (one prefill, one decode); a non-streaming request asks "
+        "for 16 tokens, a streaming one gets 17 SSE events and `[DONE]`. Every point is checked against the "
+        "workers' counters: each P/D request must run a prefill leg and a decode leg that received its "
+        "handoff (emulated workers: that pulled its KV blocks).",
         "",
         *_table(["system", "path"], [[f"`{s}`", SYSTEM_DESCRIPTIONS[s]] for s in SYSTEM_ORDER]),
         "",
     ]
 
 
+def validity(summary: dict[str, Any]) -> list[str]:
+    checks = summary.get("validity") or []
+    if not checks:
+        return []
+    valid = all(c["valid"] for c in checks)
+    rows = [[f"`{c['workers']}`", f"{c['ratio']:.1f}x", c["where"], "valid" if c["valid"] else "**INVALID**"]
+            for c in checks]
+    verdict = ("**This run is valid**: on every cheap worker set, direct decode reached at least 5x the "
+               "throughput of the fastest P/D proxy at every point." if valid else
+               "**This run is INVALID as a measure of the proxies**: on at least one cheap worker set, direct "
+               "decode did not reach 5x the throughput of the fastest P/D proxy, so the workers or the load "
+               "generator may have bounded the proxies.")
+    return ["## Validity", "", verdict, "",
+            *_table(["workers", "lowest direct / fastest P/D proxy", "at", "verdict"], rows), ""]
+
+
 def targets(summary: dict[str, Any]) -> list[str]:
     rows = [[v["target"], v["measured"], "met" if v["met"] else "**missed**", v["by"]] for v in summary["verdicts"]]
-    return ["## Targets (issue 9, item 4)", "", *_table(["target", "measured", "verdict", "margin"], rows), ""]
+    return ["## Targets (issue 17, item 3)", "", *_table(["target", "measured", "verdict", "margin"], rows), ""]
 
 
-def latency_tables(summary: dict[str, Any], levels: Sequence[int]) -> list[str]:
-    cells = _ordered(summary["latency"])
-    lines = ["## Added latency over direct decode, p50 / p99 (ms)", "", NOISE_NOTE, ""]
+def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    present = {c.get("workers", "emulated") for c in summary["latency"]}
+    for workers in (w for w in SET_ORDER if w in present):
+        lines += set_tables(summary, workers, set_levels(options, workers))
+    return lines
+
+
+def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> list[str]:
+    cells = _ordered(_of_set(summary["latency"], workers))
+    headline = workers == "cheap"
+    lines = [f"## {SET_TITLES[workers]}", "", f"### Added latency over direct decode, p50 / p99 (ms), {workers}", "",
+             NOISE_NOTE, ""]
     columns = ["system", *[f"c={level}" for level in levels]]
     for body in ("non-stream", "stream"):
         systems = [s for s in SYSTEM_ORDER if s != "direct"]
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _added, systems)), ""]
-    lines += ["![added p50 latency vs concurrency](added_latency.png)", "",
-              "## Throughput (requests/s)", ""]
+    if headline:
+        lines += ["![added p50 latency vs concurrency](added_latency.png)", ""]
+    lines += [f"### Throughput (requests/s), {workers}", ""]
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _rps, SYSTEM_ORDER)), ""]
-    lines += ["## Absolute latency p50 / p99 (ms)", ""]
-    for body in ("non-stream", "stream"):
-        lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _absolute, SYSTEM_ORDER)),
-                  ""]
-    lines += ["## Proxy CPU time per request (µs, utime+stime / requests handled)", "",
+    if headline:
+        lines += [f"### Absolute latency p50 / p99 (ms), {workers}", ""]
+        for body in ("non-stream", "stream"):
+            lines += [f"**{body}**", "",
+                      *_table(columns, _by_concurrency(cells, body, levels, _absolute, SYSTEM_ORDER)), ""]
+    lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "pd-extproc", "vllm-router")
+    proxies = ("envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
@@ -142,9 +205,9 @@ def _median_of(points: list[dict[str, Any]], value: Callable[[dict[str, Any]], f
 def breakdown(results: dict[str, Any]) -> list[str]:
     """Where a P/D request's time goes at concurrency 1, from wrk and from our server's own log."""
     rows = []
-    for body in ("non-stream", "stream"):
+    for workers, body in ((w, b) for w in ("cheap", "emulated") for b in ("non-stream", "stream")):
         points = [p for p in results["points"] if p.get("phase") == "latency" and p["concurrency"] == 1
-                  and p["body"] == body]
+                  and p["body"] == body and p.get("workers", "emulated") == workers]
 
         def client(system: str, chosen: list[dict[str, Any]] = points) -> float | None:
             return _median_of([p for p in chosen if p["system"] == system], lambda p: p["p50_us"] / 1e3)
@@ -155,8 +218,8 @@ def breakdown(results: dict[str, Any]) -> list[str]:
         total, router = client("pd-extproc"), client("vllm-router")
         if held is None or prefill_call is None or total is None:
             continue
-        rows.append([body, _ms(total), _ms(router), _ms(client("direct")), _ms(client("direct-prefill")), _ms(held),
-                     _ms(prefill_call), _ms(held - prefill_call), _ms(total - held)])
+        rows.append([workers, body, _ms(total), _ms(router), _ms(client("direct")), _ms(client("direct-prefill")),
+                     _ms(held), _ms(prefill_call), _ms(held - prefill_call), _ms(total - held)])
     if not rows:
         return []
     return ["## Where a P/D request's time goes at concurrency 1 (ms, medians of per-round p50s)", "",
@@ -164,8 +227,9 @@ def breakdown(results: dict[str, Any]) -> list[str]:
             "reply sent, which includes waiting for Envoy to send the body); \"prefill call\" is its `prefill_ms`. "
             "\"Outside our server\" is the client's time minus the time our server held the request: Envoy, the "
             "gRPC messages, the decode leg with its KV pull, and the response back.", "",
-            *_table(["mode", "pd-extproc (client)", "vllm-router (client)", "direct decode", "direct prefill",
-                     "held by our server", "of it: prefill call", "of it: the rest", "outside our server"], rows), ""]
+            *_table(["workers", "mode", "pd-extproc (client)", "vllm-router (client)", "direct decode",
+                     "direct prefill", "held by our server", "of it: prefill call", "of it: the rest",
+                     "outside our server"], rows), ""]
 
 
 def large_body(summary: dict[str, Any]) -> list[str]:
@@ -175,7 +239,7 @@ def large_body(summary: dict[str, Any]) -> list[str]:
     rows = [[c["system"], str(c["requests"]), f"{c['rps']:.2f}", f"{c['p50_ms']:.0f} / {c['max_ms']:.0f}",
              f"{_ms(c['added_p50_ms'])}", str(c["errors"]), _cpu_ms(c), "; ".join(c["problems"]) or "ok"]
             for c in cells]
-    return ["## 20 MiB request body, concurrency 1", "",
+    return ["## 20 MiB request body, concurrency 1 (emulated workers)", "",
             "A chat request whose one user message carries a text part and a ~20 MiB base64 `image_url` data "
             "URL; sent back to back on one connection (a fixed number per system and round, not a timed run, "
             "because one request can take seconds).", "",
@@ -191,7 +255,7 @@ def beside_large(results: dict[str, Any]) -> list[str]:
              f"{p['max_us'] / 1e3:.0f}", str(p["errors"]), _ms(p["large_request_ms"]),
              "ok" if p["large_request_errors"] == 0 else "failed"] for p in points]
     seconds = results["options"]["beside_seconds"]
-    return ["## One 20 MiB request in the middle of small P/D requests", "",
+    return ["## One 20 MiB request in the middle of small P/D requests (emulated workers)", "",
             f"Small non-streaming P/D requests at c={points[0]['concurrency']} for {seconds} s; one 20 MiB request "
             f"is sent {seconds / 4:.0f} s in, on its own connection.", "",
             *_table(["system", "small req/s", "small p50 / p99 / max ms", "small failed", "20 MiB request ms",
@@ -210,7 +274,7 @@ def inflight(results: dict[str, Any]) -> list[str]:
             rows.append([case["system"], case["slow_leg"], f"{case['ok']}/{case['sent']} ({statuses})", str(held),
                          role, f"{memory['baseline_bytes'] / MIB:.1f}", f"{memory['peak_bytes'] / MIB:.1f}",
                          f"{per_request:.1f}"])
-    return ["## Memory with requests in flight", "",
+    return ["## Memory with requests in flight (emulated workers)", "",
             "The slow worker delays each of the next N requests; the client sends N at once. \"Waiting\" is "
             "how many were waiting at the slow worker halfway through the delay. A slow prefill holds P/D "
             "requests in our server; a slow decode holds them in Envoy (our server is done once it has "
@@ -220,18 +284,21 @@ def inflight(results: dict[str, Any]) -> list[str]:
 
 
 def checks(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
-    rows = [[i["system"], str(i["status"]), str(i["prefill_requests"]), str(i["decode_requests"]),
+    rows = [[i.get("workers", "emulated"), i["system"], str(i["status"]), str(i["prefill_requests"]),
+             str(i["decode_requests"]),
              " ".join(i["prefill_body_changes"]) or "-", " ".join(i["decode_body_changes"]) or "-",
              "; ".join(i["problems"]) or "ok"] for i in results["inspections"]]
-    bad = [f"{c['system']} {c['body']} c={c['concurrency']}: {'; '.join(c['problems'])}"
+    bad = [f"{c.get('workers', 'emulated')}/{c['system']} {c['body']} c={c['concurrency']}: {'; '.join(c['problems'])}"
            for c in summary["latency"] + summary["large_body"] if c["problems"]]
     return ["## Did every system really run both legs?", "",
             "One request per system, as each worker received it (body members added `+`, removed `-`, "
-            "changed `~` compared with the client's body):", "",
-            *_table(["system", "status", "prefill requests", "decode requests", "prefill body", "decode body",
-                     "checks"], rows), "",
+            "changed `~` compared with the client's body; a cheap worker records no bodies, only its leg counters):",
+            "",
+            *_table(["workers", "system", "status", "prefill requests", "decode requests", "prefill body",
+                     "decode body", "checks"], rows), "",
             "Per measured point, from the workers' counters (KV pulls by decode, leases granted and freed by "
-            "prefill, decode requests without a handoff): " + ("every point passed." if not bad else
+            "prefill, decode requests without a handoff; cheap workers: producer and consumer legs, distinct "
+            "handoff ids): " + ("every point passed." if not bad else
                                                                  "problems: " + "; ".join(bad)), ""]
 
 
@@ -285,8 +352,8 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
-    levels = results["options"]["concurrency"]
-    lines = [*header(results, command), *targets(summary), *latency_tables(summary, levels), *breakdown(results),
+    lines = [*header(results, command), *validity(summary), *targets(summary),
+             *latency_tables(summary, results["options"]), *breakdown(results),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ SYSTEMS = {  # name -> (label, colour, marker)
     "passthrough": ("our Envoy, passthrough", "tab:blue", "o"),
     "pd-extproc": ("pd-extproc P/D", "tab:red", "D"),
     "vllm-router": ("vllm-router 0.1.17 P/D", "tab:green", "^"),
+    "sglang-router": ("sglang-router 0.3.2 P/D (SGLang-shaped workers)", "tab:purple", "v"),
     "direct-prefill": ("direct prefill (reference)", "tab:olive", "x"),
 }
 PANELS = (("non-stream", "added_p50_ms", "p50"), ("stream", "added_p50_ms", "p50"),
@@ -28,8 +29,11 @@ PANELS = (("non-stream", "added_p50_ms", "p50"), ("stream", "added_p50_ms", "p50
 
 
 def _series(cells: list[dict[str, Any]], system: str, body: str, key: str) -> tuple[list[int], list[float]]:
-    chosen = sorted((c for c in cells if c["system"] == system and c["body"] == body and c[key] is not None),
-                    key=lambda c: c["concurrency"])
+    """The cheap workers' cells (sglang-router and pd-extproc's sglang adapter run on the cheap-sglang set;
+    only sglang-router is drawn from it)."""
+    workers = "cheap-sglang" if system == "sglang-router" else "cheap"
+    chosen = sorted((c for c in cells if c["system"] == system and c["body"] == body and c[key] is not None
+                     and c.get("workers", "emulated") == workers), key=lambda c: c["concurrency"])
     return [c["concurrency"] for c in chosen], [c[key] for c in chosen]
 
 
@@ -43,7 +47,7 @@ def plot(results: dict[str, Any], output: Path) -> None:
                 axis.plot(x, y, label=name, color=colour, marker=marker)
         axis.set_xscale("log", base=2)
         axis.set_yscale("symlog", linthresh=1.0)
-        axis.set_title(f"{body}: added {label} latency over direct decode")
+        axis.set_title(f"{body}: added {label} latency over direct decode (cheap workers)")
         axis.set_ylabel("ms (symlog)")
         axis.grid(True, which="both", alpha=0.3)
         levels = results["options"]["concurrency"]

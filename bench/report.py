@@ -1,9 +1,14 @@
 """From results.json to the numbers the issue asks for: per-point summaries, target verdicts, RESULTS.md.
 
+Cells are per worker set (bench/systems.py); the targets are judged on the cheap set, where the workers
+are not the bottleneck, and a run is valid only if there direct decode reached at least
+VALIDITY_FACTOR times the throughput of the fastest P/D proxy at every (mode, concurrency).
+
 Added latency is paired by round: in round r, system S at (mode, concurrency) minus direct decode at
-the same (mode, concurrency) in the same round; the table shows the median over rounds. Throughput is
-all completed requests over all measured seconds. CPU per request is a process's utime+stime over the
-requests it handled (counted by the workers, so requests wrk abandoned at the end of a run count too).
+the same (mode, concurrency) in the same round, on the same workers; the table shows the median over
+rounds. Throughput is all completed requests over all measured seconds. CPU per request is a process's
+utime+stime over the requests it handled (counted by the workers, so requests wrk abandoned at the end
+of a run count too).
 """
 
 from __future__ import annotations
@@ -17,13 +22,17 @@ KIB = 1024
 MIB = 1 << 20
 TARGET_RSS_PER_REQUEST = 64 * KIB
 TARGET_PASSTHROUGH_TOLERANCE = 0.05
-PD_SYSTEMS = ("pd-extproc", "vllm-router")
+TARGET_SERVER_CPU_US = 500.0  # our server's CPU per P/D request at c=64 (issue 17)
+VALIDITY_FACTOR = 5.0
+PD_SYSTEMS = ("pd-extproc", "vllm-router", "sglang-router")
+HEADLINE = "cheap"
 
 
 @dataclass
 class Cell:
     """One (system, body, concurrency) over all its rounds."""
 
+    workers: str
     system: str
     body: str
     concurrency: int
@@ -47,25 +56,29 @@ def _median(values: Iterable[float]) -> float:
     return statistics.median(items) if items else float("nan")
 
 
-def _key(point: dict[str, Any]) -> tuple[str, str, int]:
-    return point["system"], point["body"], point["concurrency"]
+def _workers(point: dict[str, Any]) -> str:
+    return str(point.get("workers", "emulated"))  # results from before worker sets: all emulated
+
+
+def _key(point: dict[str, Any]) -> tuple[str, str, str, int]:
+    return _workers(point), point["system"], point["body"], point["concurrency"]
 
 
 def cells(points: list[dict[str, Any]], phase: str) -> list[Cell]:
     selected = [p for p in points if p.get("phase") == phase]
-    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     for point in selected:
         groups.setdefault(_key(point), []).append(point)
-    floor = {(p["body"], p["concurrency"], p["round"]): p for p in selected if p["system"] == "direct"}
+    floor = {(_workers(p), p["body"], p["concurrency"], p["round"]): p for p in selected if p["system"] == "direct"}
     return [_cell(key, group, floor) for key, group in groups.items()]
 
 
-def _cell(key: tuple[str, str, int], group: list[dict[str, Any]],
-          floor: dict[tuple[str, int, int], dict[str, Any]]) -> Cell:
-    system, body, concurrency = key
+def _cell(key: tuple[str, str, str, int], group: list[dict[str, Any]],
+          floor: dict[tuple[str, str, int, int], dict[str, Any]]) -> Cell:
+    workers, system, body, concurrency = key
     seconds = sum(p["seconds"] for p in group)
     cell = Cell(
-        system, body, concurrency, len(group),
+        workers, system, body, concurrency, len(group),
         p50_ms=_median(p["p50_us"] for p in group) / 1e3,
         p99_ms=_median(p["p99_us"] for p in group) / 1e3,
         max_ms=max(p["max_us"] for p in group) / 1e3,
@@ -76,7 +89,7 @@ def _cell(key: tuple[str, str, int], group: list[dict[str, Any]],
         worst_foreign_cpu_share=max(p["foreign_cpu_share"] for p in group),
         loadgen_cpu_share=sum(p["loadgen_cpu_seconds"] for p in group) / seconds if seconds else 0.0,
     )
-    pairs = [(p, floor.get((body, concurrency, p["round"]))) for p in group]
+    pairs = [(p, floor.get((workers, body, concurrency, p["round"]))) for p in group]
     paired = [(p, f) for p, f in pairs if f is not None]
     if paired and system != "direct":
         cell.added_p50_ms = _median(p["p50_us"] - f["p50_us"] for p, f in paired) / 1e3
@@ -88,9 +101,9 @@ def _cell(key: tuple[str, str, int], group: list[dict[str, Any]],
     return cell
 
 
-def find(table: list[Cell], system: str, body: str, concurrency: int) -> Cell | None:
+def find(table: list[Cell], system: str, body: str, concurrency: int, workers: str = HEADLINE) -> Cell | None:
     for cell in table:
-        if (cell.system, cell.body, cell.concurrency) == (system, body, concurrency):
+        if (cell.workers, cell.system, cell.body, cell.concurrency) == (workers, system, body, concurrency):
             return cell
     return None
 
@@ -110,30 +123,70 @@ def _ratio(ours: float, theirs: float) -> float:
     return ours / theirs if theirs else float("inf")
 
 
-def target_latency(table: list[Cell], body: str) -> Verdict | None:
-    ours, theirs = find(table, "pd-extproc", body, 1), find(table, "vllm-router", body, 1)
+def target_latency(table: list[Cell], body: str, peer: str = "vllm-router", factor: float = 1.0,
+                   workers: str = HEADLINE) -> Verdict | None:
+    ours, theirs = find(table, "pd-extproc", body, 1, workers), find(table, peer, body, 1, workers)
     if ours is None or theirs is None or ours.added_p50_ms is None or theirs.added_p50_ms is None:
         return None
     ratio = _ratio(ours.added_p50_ms, theirs.added_p50_ms)
-    met = ours.added_p50_ms <= theirs.added_p50_ms
+    met = ratio <= factor
+    bound = f"{factor:g}x {peer}'s" if factor != 1 else f"{peer}'s"
     return Verdict(
-        f"P/D added p50 at c=1 ({body}) <= vllm-router's",
-        f"pd-extproc {ours.added_p50_ms:.3f} ms vs vllm-router {theirs.added_p50_ms:.3f} ms (ratio {ratio:.2f})",
-        met, "met" if met else f"{ours.added_p50_ms - theirs.added_p50_ms:+.3f} ms ({ratio - 1:+.0%}) over",
+        f"P/D added p50 at c=1 ({body}, {workers} workers) <= {bound}",
+        f"pd-extproc {ours.added_p50_ms:.3f} ms vs {peer} {theirs.added_p50_ms:.3f} ms (ratio {ratio:.2f})",
+        met, "met" if met else f"{ours.added_p50_ms - factor * theirs.added_p50_ms:+.3f} ms over "
+                               f"(ratio {ratio:.2f} for {factor:g})",
     )
 
 
-def target_throughput(table: list[Cell], body: str) -> Verdict | None:
-    ours, theirs = find(table, "pd-extproc", body, 64), find(table, "vllm-router", body, 64)
+def target_throughput(table: list[Cell], body: str, peer: str = "vllm-router", factor: float = 1.0,
+                      workers: str = HEADLINE) -> Verdict | None:
+    ours, theirs = find(table, "pd-extproc", body, 64, workers), find(table, peer, body, 64, workers)
     if ours is None or theirs is None:
         return None
     ratio = _ratio(ours.rps, theirs.rps)
-    met = ours.rps >= theirs.rps
+    met = ratio >= factor
+    bound = f"{factor:g}x {peer}'s" if factor != 1 else f"{peer}'s"
     return Verdict(
-        f"P/D throughput at c=64 ({body}) >= vllm-router's",
-        f"pd-extproc {ours.rps:.0f} req/s vs vllm-router {theirs.rps:.0f} req/s (ratio {ratio:.2f})",
-        met, "met" if met else f"{ratio - 1:.0%} short",
+        f"P/D throughput at c=64 ({body}, {workers} workers) >= {bound}",
+        f"pd-extproc {ours.rps:.0f} req/s vs {peer} {theirs.rps:.0f} req/s (ratio {ratio:.2f})",
+        met, "met" if met else f"ratio {ratio:.2f}, {ratio / factor - 1:.0%} short of {factor:g}",
     )
+
+
+def target_server_cpu(table: list[Cell], body: str = "non-stream") -> Verdict | None:
+    ours = find(table, "pd-extproc", body, 64)
+    if ours is None or "pd-extproc" not in ours.cpu_us_per_request:
+        return None
+    cpu = ours.cpu_us_per_request["pd-extproc"]
+    met = cpu <= TARGET_SERVER_CPU_US
+    return Verdict(
+        f"our server's CPU per P/D request at c=64 ({body}, cheap workers) <= {TARGET_SERVER_CPU_US:.0f} µs",
+        f"pd-extproc {cpu:.0f} µs + its Envoy {ours.cpu_us_per_request.get('envoy', float('nan')):.0f} µs",
+        met, "met" if met else f"{cpu - TARGET_SERVER_CPU_US:+.0f} µs ({cpu / TARGET_SERVER_CPU_US - 1:+.0%}) over",
+    )
+
+
+def validity(table: list[Cell]) -> list[dict[str, Any]]:
+    """Per cheap worker set: direct decode's throughput over the fastest P/D proxy's, at every point."""
+    checks = []
+    for workers in sorted({c.workers for c in table if c.workers.startswith("cheap")}):
+        worst: tuple[float, str] | None = None
+        for direct in (c for c in table if c.workers == workers and c.system == "direct"):
+            proxies = [c for c in table if c.workers == workers and c.system in PD_SYSTEMS
+                       and (c.body, c.concurrency) == (direct.body, direct.concurrency)]
+            if not proxies:
+                continue
+            fastest = max(proxies, key=lambda c: c.rps)
+            ratio = _ratio(direct.rps, fastest.rps)
+            where = (f"{direct.body} c={direct.concurrency}: direct {direct.rps:.0f} req/s, "
+                     f"{fastest.system} {fastest.rps:.0f}")
+            if worst is None or ratio < worst[0]:
+                worst = (ratio, where)
+        if worst is not None:
+            checks.append({"workers": workers, "ratio": worst[0], "where": worst[1],
+                           "valid": worst[0] >= VALIDITY_FACTOR})
+    return checks
 
 
 def target_passthrough(table: list[Cell]) -> Verdict | None:
@@ -141,9 +194,9 @@ def target_passthrough(table: list[Cell]) -> Verdict | None:
     worst_latency, worst_rps = 0.0, float("inf")
     where_latency = where_rps = ""
     for cell in table:
-        if cell.system != "passthrough":
+        if cell.system != "passthrough" or cell.workers != HEADLINE:
             continue
-        plain = find(table, "envoy", cell.body, cell.concurrency)
+        plain = find(table, "envoy", cell.body, cell.concurrency, cell.workers)
         if plain is None:
             continue
         latency, rps = _ratio(cell.p50_ms, plain.p50_ms), _ratio(cell.rps, plain.rps)
@@ -156,7 +209,7 @@ def target_passthrough(table: list[Cell]) -> Verdict | None:
     tolerance = TARGET_PASSTHROUGH_TOLERANCE
     met = worst_latency <= 1 + tolerance and worst_rps >= 1 - tolerance
     return Verdict(
-        "passthrough within 5 % of Envoy alone (p50 latency and throughput, every point)",
+        "passthrough within 5 % of Envoy alone (p50 latency and throughput, every point, cheap workers)",
         f"worst p50 ratio {worst_latency:.3f} ({where_latency}); worst throughput ratio {worst_rps:.3f} ({where_rps})",
         met, "met" if met else f"latency {worst_latency - 1:+.1%}, throughput {worst_rps - 1:+.1%} at the worst points",
     )
@@ -179,9 +232,17 @@ def target_rss(inflight: list[dict[str, Any]]) -> Verdict | None:
 
 
 def verdicts(table: list[Cell], inflight: list[dict[str, Any]]) -> list[Verdict]:
-    found = [target_latency(table, "non-stream"), target_latency(table, "stream"),
-             target_throughput(table, "non-stream"), target_throughput(table, "stream"),
-             target_passthrough(table), target_rss(inflight)]
+    """Issue 17's targets, in its order: each "first" step, then the final one."""
+    found = [target_server_cpu(table)]
+    for body in ("non-stream", "stream"):
+        found += [target_latency(table, body, factor=2.0), target_latency(table, body)]
+    for body in ("non-stream", "stream"):
+        found += [target_throughput(table, body, factor=0.45), target_throughput(table, body)]
+    found += [target_passthrough(table)]
+    for body in ("non-stream", "stream"):
+        found += [target_latency(table, body, "sglang-router", workers="cheap-sglang"),
+                  target_throughput(table, body, "sglang-router", workers="cheap-sglang")]
+    found += [target_rss(inflight)]
     return [v for v in found if v is not None]
 
 
@@ -193,4 +254,5 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "large_body": [asdict(c) for c in cells(results["points"], "large-body")],
         "profile_run": [asdict(c) for c in cells(results["points"], "profile")],
         "verdicts": [asdict(v) for v in verdicts(latency, results["inflight"])],
+        "validity": validity(latency),
     }

@@ -1,6 +1,10 @@
 """The benchmark run: start the fleet, check every system, measure, write results.json.
 
-Order of phases (each one uses the same worker processes):
+Every phase runs on one worker set (bench/systems.py): the latency rounds on all three (cheap, cheap-sglang,
+emulated), the memory, large-body and beside-large phases on the emulated set (their slow worker is
+scripted; a 20 MiB body is no job for the cheap worker), the profile on the cheap set.
+
+Order of phases:
   1. one request per system, inspected at both workers;
   2. 1,000 requests in flight against a slow prefill and against a slow decode (RSS);
   3. the load generator's own ceiling (plain Envoy answering by itself);
@@ -28,14 +32,16 @@ from typing import Any
 
 from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, verify, wrk
 from bench.envoy_plain import CEILING_PATH
-from bench.systems import Fleet, System
+from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, chat_body, write_bodies
+from extproc.emulator.worker import EmulatedWorker
 
-LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
+LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
-LARGE_BODY_SYSTEMS = LATENCY_SYSTEMS
+LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
+SLOW_SET = "emulated"  # the set whose workers can be scripted (in-flight memory, 20 MiB bodies)
 BESIDE_CONCURRENCY = 16
 SETTLE_SECONDS = 0.2  # lets requests wrk abandoned at the end of a run finish before counters are read
 NOISE_THRESHOLD = 0.10
@@ -50,7 +56,9 @@ Load = Callable[[], wrk.WrkResult]
 class Options:
     rounds: int = 3
     seconds: int = 3
-    concurrency: tuple[int, ...] = (1, 16, 64, 256)
+    concurrency: tuple[int, ...] = (1, 16, 64, 256)  # the cheap set (the headline table)
+    sglang_concurrency: tuple[int, ...] = (1, 16, 64)
+    emulated_concurrency: tuple[int, ...] = (1, 64)
     modes: tuple[str, ...] = ("non-stream", "stream")
     warmup_seconds: int = 1
     large_body_rounds: int = 2
@@ -94,28 +102,39 @@ class Bench:
         self._scripts: dict[tuple[str, str], Path] = {}
         self.quiet_budget_left = QUIET_BUDGET
         # Retries of noisy points, for the whole run: a machine that stays busy must not triple its length.
-        self.retries_left = int(RETRY_BUDGET * options.rounds * len(options.concurrency)
-                                * (len(LATENCY_SYSTEMS) * len(options.modes) + len(REFERENCE_SYSTEMS)))
+        planned = sum(len(self.levels(name)) * (len(worker_set.systems) * len(options.modes))
+                      for name, worker_set in fleet.sets.items())
+        self.retries_left = int(RETRY_BUDGET * options.rounds * planned)
+
+    def levels(self, set_name: str) -> tuple[int, ...]:
+        return {"cheap-sglang": self.options.sglang_concurrency,
+                "emulated": self.options.emulated_concurrency}.get(set_name, self.options.concurrency)
 
     def script(self, system: System, body: str) -> Path:
-        key = (system.name, body)
+        key = (f"{system.workers}-{system.name}", body)
         if key not in self._scripts:
-            path = self.work_dir / f"wrk-{system.name}-{body}.lua"
+            path = self.work_dir / f"wrk-{key[0]}-{body}.lua"
             path.write_text(wrk.lua_script(self.bodies[body], system.headers))
             self._scripts[key] = path
         return self._scripts[key]
 
     def all_pids(self) -> list[int]:
-        pids = [pid(self.fleet.prefill), pid(self.fleet.decode)]
-        for system in self.fleet.systems.values():
+        pids = []
+        for worker_set in self.fleet.sets.values():
+            pids += [pid(worker_set.prefill), pid(worker_set.decode)]
+        for system in self.fleet.systems():
             pids += [pid for pid in system.processes.values() if pid not in pids]
         return pids
 
+    def workers_of(self, system: System) -> WorkerSet:
+        return self.fleet.sets[system.workers]
+
     def measure(self, system: System, body: str, concurrency: int, load: Load) -> dict[str, Any]:
         """One run of ``load`` against one system, with CPU, worker counters and machine load around it."""
-        for worker in (self.fleet.prefill, self.fleet.decode):
+        worker_set = self.workers_of(system)
+        for worker in (worker_set.prefill, worker_set.decode):
             worker.reset()
-        legs_before = LegCounters.read(self.fleet.prefill, self.fleet.decode)
+        legs_before = LegCounters.read(worker_set.prefill, worker_set.decode)
         cpu_before = {role: procs.cpu_seconds(pid) for role, pid in system.processes.items()}
         load_before = machine.LoadSnapshot.take(self.all_pids())
         started, wall_start = time.monotonic(), time.time()
@@ -125,11 +144,11 @@ class Bench:
         wall = time.monotonic() - started
         load_after = machine.LoadSnapshot.take(self.all_pids())
         cpu = {role: procs.cpu_seconds(pid) - cpu_before[role] for role, pid in system.processes.items()}
-        legs = LegCounters.read(self.fleet.prefill, self.fleet.decode).minus(legs_before)
+        legs = LegCounters.read(worker_set.prefill, worker_set.decode).minus(legs_before)
         handled = legs.prefill_leases_granted if system.pd else (
             legs.prefill_recomputed if system.name == "direct-prefill" else legs.decode_recomputed)
         return {
-            "system": system.name, "body": body, "concurrency": concurrency,
+            "system": system.name, "workers": system.workers, "body": body, "concurrency": concurrency,
             **dataclasses.asdict(result), "rps": result.rps,
             "proxy_cpu_seconds": cpu, "requests_handled": int(handled), "legs": legs.as_dict(),
             "problems": verify.check_point(system, legs, result.requests, result.errors, concurrency),
@@ -162,27 +181,32 @@ class Bench:
     # --- phases ---------------------------------------------------------------------------------------
 
     def inspect_systems(self, run: Run) -> None:
-        for system in self.fleet.systems.values():
-            inspection = verify.inspect_one_request(system, self.fleet.prefill, self.fleet.decode)
-            run.inspections.append(dataclasses.asdict(inspection))
-            self.log(f"inspect {system.name}: status {inspection.status}, problems {inspection.problems or 'none'}")
+        for system in self.fleet.systems():
+            worker_set = self.workers_of(system)
+            inspection = verify.inspect_one_request(system, worker_set.prefill, worker_set.decode)
+            run.inspections.append({**dataclasses.asdict(inspection), "workers": system.workers})
+            self.log(f"inspect {system.workers}/{system.name}: status {inspection.status}, "
+                     f"problems {inspection.problems or 'none'}")
 
     def inflight_memory(self, run: Run) -> None:
         body = chat_body(stream=False)
-        cases = [("pd-extproc", self.fleet.prefill), ("pd-extproc", self.fleet.decode),
-                 ("vllm-router", self.fleet.prefill), ("vllm-router", self.fleet.decode),
-                 ("passthrough", self.fleet.decode), ("envoy", self.fleet.decode)]
-        for name, slow in cases:
-            result = inflight.measure(self.fleet.systems[name], slow, body, self.options.inflight_requests,
+        slow_set = self.fleet.sets[SLOW_SET]
+        prefill, decode = slow_set.prefill, slow_set.decode
+        cases = [("pd-extproc", prefill, "prefill"), ("pd-extproc", decode, "decode"),
+                 ("vllm-router", prefill, "prefill"), ("vllm-router", decode, "decode"),
+                 ("passthrough", decode, "decode"), ("envoy", decode, "decode")]
+        for name, slow, role in cases:
+            assert isinstance(slow, EmulatedWorker)
+            result = inflight.measure(slow_set.systems[name], slow, role, body, self.options.inflight_requests,
                                       self.options.inflight_delay)
             run.inflight.append(dataclasses.asdict(result))
-            self.log(f"in-flight {name} slow {slow.role}: {result.ok}/{result.sent} ok, "
+            self.log(f"in-flight {name} slow {role}: {result.ok}/{result.sent} ok, "
                      f"{result.in_flight_at_slow_worker} waiting at the slow worker, "
                      + ", ".join(f"{role} {m.baseline_bytes >> 20}->{m.peak_bytes >> 20} MiB"
                                  for role, m in result.memory.items()))
 
     def loadgen_ceiling(self, run: Run) -> None:
-        envoy = self.fleet.systems["envoy"]
+        envoy = self.fleet.sets[HEADLINE].systems["envoy"]
         ceiling = dataclasses.replace(envoy, name="loadgen-ceiling")
         for concurrency in (1, 64):
             script = self.script(ceiling, "non-stream")
@@ -192,27 +216,28 @@ class Bench:
                      f"wrk CPU {result.loadgen_cpu_seconds:.2f}s")
 
     def warm_up(self) -> None:
-        for system in self._systems(LATENCY_SYSTEMS + REFERENCE_SYSTEMS):
-            for concurrency in (16, max(self.options.concurrency)):
+        for system in self.fleet.systems():
+            for concurrency in (16, max(self.levels(system.workers))):
                 wrk.run(system.url + CHAT_PATH, self.script(system, "non-stream"), concurrency,
                         self.options.warmup_seconds)
 
     def latency_rounds(self, run: Run) -> None:
         for round_index in range(self.options.rounds):
-            for concurrency in self.options.concurrency:
-                for body in self.options.modes:
-                    names = LATENCY_SYSTEMS + (REFERENCE_SYSTEMS if body == "non-stream" else ())
-                    for system in _rotated(self._systems(names), round_index):
-                        load = self.wrk_load(system, body, concurrency, self.options.seconds)
-                        point = self.measure_quietly(system, body, concurrency, load)
-                        point.update(phase="latency", round=round_index)
-                        run.points.append(point)
-                        self._log_point(point)
+            for set_name in self.fleet.sets:
+                for concurrency in self.levels(set_name):
+                    for body in self.options.modes:
+                        names = LATENCY_SYSTEMS + (REFERENCE_SYSTEMS if body == "non-stream" else ())
+                        for system in _rotated(self._systems(set_name, names), round_index):
+                            load = self.wrk_load(system, body, concurrency, self.options.seconds)
+                            point = self.measure_quietly(system, body, concurrency, load)
+                            point.update(phase="latency", round=round_index)
+                            run.points.append(point)
+                            self._log_point(point)
 
     def large_body_rounds(self, run: Run) -> None:
         body = self.bodies["20MiB"].read_bytes()
         for round_index in range(self.options.large_body_rounds):
-            for system in _rotated(self._systems(LARGE_BODY_SYSTEMS), round_index):
+            for system in _rotated(self._systems(SLOW_SET, LARGE_BODY_SYSTEMS), round_index):
                 load = functools.partial(sequential.run, system.url, CHAT_PATH, body, system.headers,
                                          self.options.large_body_requests)
                 point = self.measure_quietly(system, "20MiB", 1, load)
@@ -224,7 +249,7 @@ class Bench:
         """One 20 MiB request in the middle of a small-request run: what it does to everyone else."""
         body = self.bodies["20MiB"].read_bytes()
         seconds = self.options.beside_seconds
-        for system in self._systems(PD_SYSTEMS):
+        for system in self._systems(SLOW_SET, PD_SYSTEMS):
             small = self.wrk_load(system, "non-stream", BESIDE_CONCURRENCY, seconds)
             load, large = _with_one_large_request(small, system, body, delay=seconds / 4)
             point = self.measure(system, "non-stream", BESIDE_CONCURRENCY, load)
@@ -236,7 +261,7 @@ class Bench:
             self.log(f"  the 20 MiB request beside it took {point['large_request_ms']:.0f} ms")
 
     def profile_server(self, run: Run) -> None:
-        system = self.fleet.systems["pd-extproc"]
+        system = self.fleet.sets[HEADLINE].systems["pd-extproc"]
         if not self.options.py_spy:
             return
         raw = self.work_dir / "py-spy-pd-extproc.txt"
@@ -253,15 +278,17 @@ class Bench:
 
     def idle_rss(self, run: Run, label: str) -> None:
         run.idle_rss[label] = {
-            f"{system.name}/{role}": procs.rss_bytes(pid)
-            for system in self.fleet.systems.values() for role, pid in system.processes.items()
+            f"{system.workers}/{system.name}/{role}": procs.rss_bytes(pid)
+            for system in self.fleet.systems() for role, pid in system.processes.items()
         }
 
-    def _systems(self, names: tuple[str, ...]) -> list[System]:
-        return [self.fleet.systems[name] for name in names]
+    def _systems(self, set_name: str, names: tuple[str, ...]) -> list[System]:
+        systems = self.fleet.sets[set_name].systems
+        return [systems[name] for name in names if name in systems]
 
     def _log_point(self, point: dict[str, Any]) -> None:
-        self.log(f"r{point['round']} {point['body']:>10} c={point['concurrency']:<3} {point['system']:<14} "
+        self.log(f"r{point['round']} {point['workers']:>12} {point['body']:>10} c={point['concurrency']:<3} "
+                 f"{point['system']:<14} "
                  f"{point['rps']:8.0f} req/s  p50 {point['p50_us'] / 1e3:7.2f} ms  p99 {point['p99_us'] / 1e3:7.2f} ms"
                  f"  other load {point['foreign_cpu_share']:.0%}"
                  + (f"  PROBLEMS: {point['problems']}" if point["problems"] else ""))
@@ -269,10 +296,13 @@ class Bench:
 
 def attach_server_timings(run: Run, fleet: Fleet) -> None:
     """Add our server's own medians (time it held the request, prefill call) to each pd-extproc point."""
-    requests = serverlog.read_requests(fleet.server_log)
-    for point in run.points:
-        if point["system"] == "pd-extproc":
-            point["server"] = serverlog.timings(requests, point["wall_start"], point["wall_end"])
+    for name, worker_set in fleet.sets.items():
+        if worker_set.server_log is None:
+            continue
+        requests = serverlog.read_requests(worker_set.server_log)
+        for point in run.points:
+            if point["system"] == "pd-extproc" and point.get("workers") == name:
+                point["server"] = serverlog.timings(requests, point["wall_start"], point["wall_end"])
 
 
 def _with_one_large_request(small: Load, system: System, body: bytes, delay: float
@@ -309,13 +339,18 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
     try:
         bench.inspect_systems(run)
         bench.idle_rss(run, "after start")
-        bench.inflight_memory(run)
-        bench.loadgen_ceiling(run)
+        slow = SLOW_SET in fleet.sets
+        if slow:
+            bench.inflight_memory(run)
+        if HEADLINE in fleet.sets:
+            bench.loadgen_ceiling(run)
         bench.warm_up()
         bench.latency_rounds(run)
-        bench.profile_server(run)  # before any 20 MiB request: see large_body_beside_small
-        bench.large_body_rounds(run)
-        bench.large_body_beside_small(run)
+        if HEADLINE in fleet.sets:
+            bench.profile_server(run)  # before any 20 MiB request: see large_body_beside_small
+        if slow:
+            bench.large_body_rounds(run)
+            bench.large_body_beside_small(run)
         bench.idle_rss(run, "at the end")
     finally:  # also when a phase failed: keep the evidence gathered so far
         run.envoy_outcomes = {name: envoylog.outcomes(envoy.child.log_path) for name, envoy in fleet.envoys.items()}

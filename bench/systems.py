@@ -1,12 +1,19 @@
 """Starting and stopping every process of the benchmark, each on ports picked at runtime.
 
-The fleet is two emulated workers (shared by all systems) plus one process group per proxy:
+The fleet is three worker sets, each a prefill and a decode worker shared by the systems in front of it:
+
+  cheap          cheap vLLM-shaped workers (bench/cheap_worker.py): the headline table
+  cheap-sglang   cheap SGLang-shaped workers: pd-extproc's sglang adapter against sglang-router
+  emulated       emulated vLLM workers with a KV ledger (extproc/emulator): proves every handoff is consumed
+
+and the systems of a set:
   direct            the client talks to the decode worker (the floor)
   direct-prefill    the client talks to the prefill worker (the prefill leg's own floor, reference only)
   envoy             plain Envoy, router filter only ("Envoy alone")
   passthrough       our Envoy bootstrap (render_yaml), request without x-prefiller-host-port
   pd-extproc        our Envoy bootstrap + ``pd-extproc serve``, request with x-prefiller-host-port
   vllm-router       vllm-router 0.1.17 in --vllm-pd-disaggregation mode
+  sglang-router     sglang-router 0.3.2 in --pd-disaggregation mode (cheap-sglang only)
 """
 
 from __future__ import annotations
@@ -22,15 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import envoy_plain, procs
-from bench.workers import emulated_vllm
+from bench.workers import CheapWorker, Worker, emulated_vllm
 from extproc import process
-from extproc.config import Settings, load_settings
+from extproc.config import load_settings
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.stack import RunningStack, start_stack
 from extproc.units import parse_address
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTER_VERSION = "0.1.17"
+SGLANG_ROUTER_VERSION = "0.3.2"
+SGLANG_BOOTSTRAP_PORT = 8998  # what sglang-router and our sglang adapter put in bootstrap_port
+HEADLINE = "cheap"
+WORKER_SETS = ("cheap", "cheap-sglang", "emulated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,55 +53,104 @@ class System:
     headers: Mapping[str, str] = field(default_factory=dict)
     pd: bool = False  # runs a prefill leg and hands KV to decode
     processes: Mapping[str, int] = field(default_factory=dict)  # proxy processes to account: role -> pid
+    workers: str = HEADLINE  # the worker set it runs on
 
 
 @dataclass(frozen=True, slots=True)
 class Tools:
     envoy: str
     vllm_router: str
+    sglang_router: str
 
 
 def default_tools() -> Tools:
     envoy = os.environ.get("PD_EXTPROC_ENVOY_BIN") or str(REPO / ".venv-envoy" / "bin" / "envoy")
     router = os.environ.get("BENCH_VLLM_ROUTER") or str(REPO / ".venv-bench" / "bin" / "vllm-router")
-    return Tools(envoy=envoy, vllm_router=router)
+    sglang = os.environ.get("BENCH_SGLANG_ROUTER") or str(REPO / ".venv-bench" / "bin" / "sglang-router")
+    return Tools(envoy=envoy, vllm_router=router, sglang_router=sglang)
+
+
+class WorkerSet:
+    """Two workers and the systems in front of them."""
+
+    def __init__(self, name: str, prefill: Worker, decode: Worker) -> None:
+        self.name, self.prefill, self.decode = name, prefill, decode
+        self.systems: dict[str, System] = {}
+        self.pd: RunningStack | None = None
+        self.server_log: Path | None = None
+
+    @property
+    def engine(self) -> str:
+        return "sglang" if self.name == "cheap-sglang" else "vllm"
+
+    @property
+    def cheap(self) -> bool:
+        return isinstance(self.decode, CheapWorker)
 
 
 class Fleet:
     """Every process the benchmark runs. ``stop`` ends all of them, whatever state start left."""
 
-    def __init__(self, tools: Tools, log_dir: Path) -> None:
+    def __init__(self, tools: Tools, log_dir: Path, sets: tuple[str, ...] = WORKER_SETS) -> None:
         self.tools = tools
         self.log_dir = log_dir
-        self.prefill = emulated_vllm("prefill", log_dir)
-        self.decode = emulated_vllm("decode", log_dir)
+        self.sets: dict[str, WorkerSet] = {}
+        for name in sets:
+            if name == "emulated":
+                self.sets[name] = WorkerSet(name, emulated_vllm("prefill", log_dir), emulated_vllm("decode", log_dir))
+            else:
+                engine = "sglang" if name == "cheap-sglang" else "vllm"
+                self.sets[name] = WorkerSet(name, CheapWorker(engine, "prefill", log_dir, f"{name}-prefill"),
+                                            CheapWorker(engine, "decode", log_dir, f"{name}-decode"))
         self.children: list[process.Child] = []
         self.envoys: dict[str, process.EnvoyProcess] = {}
-        self.pd: RunningStack | None = None
-        self.systems: dict[str, System] = {}
-        self.settings: Settings | None = None
-        self.server_log = log_dir / "pd-extproc-serve.log"  # set to the real path when the server starts
+
+    def systems(self) -> Iterator[System]:
+        for worker_set in self.sets.values():
+            yield from worker_set.systems.values()
 
     def start(self) -> None:
-        for worker in (self.prefill, self.decode):
-            worker.start()
-        for worker in (self.prefill, self.decode):
-            worker.wait_ready(30)
-        self.systems["direct"] = System("direct", self.decode.url)
-        self.systems["direct-prefill"] = System("direct-prefill", self.prefill.url)
-        self._start_plain_envoy()
-        self._start_pd_stack()
-        self._start_vllm_router()
+        for worker_set in self.sets.values():
+            for worker in (worker_set.prefill, worker_set.decode):
+                worker.start()
+        for worker_set in self.sets.values():
+            for worker in (worker_set.prefill, worker_set.decode):
+                worker.wait_ready(30)
+        for worker_set in self.sets.values():
+            self._start_set(worker_set)
+
+    def _start_set(self, worker_set: WorkerSet) -> None:
+        name = worker_set.name
+        worker_set.systems["direct"] = System("direct", worker_set.decode.url, workers=name)
+        if worker_set.engine == "vllm":
+            worker_set.systems["direct-prefill"] = System("direct-prefill", worker_set.prefill.url, workers=name)
+            self._start_plain_envoy(worker_set)
+        self._start_pd_stack(worker_set)
+        if worker_set.engine == "vllm":
+            self._start_router(worker_set, "vllm-router", [
+                self.tools.vllm_router, "--vllm-pd-disaggregation", "--prefill", worker_set.prefill.url,
+                "--decode", worker_set.decode.url, "--prefill-policy", "round_robin",
+                "--decode-policy", "round_robin", "--worker-startup-check-interval", "1"])
+        else:
+            # --log-level warn: at its default (info) sglang-router logs two lines per request, which
+            # vllm-router does not; our server logs one.
+            self._start_router(worker_set, "sglang-router", [
+                self.tools.sglang_router, "launch", "--pd-disaggregation",
+                "--prefill", worker_set.prefill.url, str(SGLANG_BOOTSTRAP_PORT), "--decode", worker_set.decode.url,
+                "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+                "--worker-startup-check-interval", "1", "--log-level", "warn"])
 
     def stop(self) -> None:
-        if self.pd is not None:
-            self.pd.stop()
+        for worker_set in self.sets.values():
+            if worker_set.pd is not None:
+                worker_set.pd.stop()
         for envoy in self.envoys.values():
             envoy.child.stop()
         for child in reversed(self.children):
             child.stop()
-        for worker in (self.decode, self.prefill):
-            worker.stop()
+        for worker_set in self.sets.values():
+            for worker in (worker_set.decode, worker_set.prefill):
+                worker.stop()
 
     def _subdir(self, name: str) -> Path:
         path = self.log_dir / name
@@ -105,22 +165,25 @@ class Fleet:
         self.envoys[name] = envoy
         return "http://" + envoy.wait_ready(30)
 
-    def _start_plain_envoy(self) -> None:
-        decode_port = int(self.decode.address.rsplit(":", 1)[1])
-        url = self._launch_envoy("envoy", envoy_plain.render_yaml(decode_port))
-        self.systems["envoy"] = System("envoy", url, processes={"envoy": self._envoy_pid("envoy")})
+    def _start_plain_envoy(self, worker_set: WorkerSet) -> None:
+        decode_port = int(worker_set.decode.address.rsplit(":", 1)[1])
+        name = f"{worker_set.name}-envoy"
+        url = self._launch_envoy(name, envoy_plain.render_yaml(decode_port))
+        worker_set.systems["envoy"] = System("envoy", url, processes={"envoy": self._envoy_pid(name)},
+                                             workers=worker_set.name)
 
     def _envoy_pid(self, name: str) -> int:
         process = self.envoys[name].child.process
         assert process is not None
         return process.pid
 
-    def _start_pd_stack(self) -> None:
+    def _start_pd_stack(self, worker_set: WorkerSet) -> None:
         """Our product as ``pd-extproc up`` runs it: the server on a Unix socket, Envoy from render_yaml."""
-        workdir = self._subdir("pd")
-        prefill_port = self.prefill.address.rsplit(":", 1)[1]
+        workdir = self._subdir(f"{worker_set.name}-pd")
+        prefill_port = worker_set.prefill.address.rsplit(":", 1)[1]
         settings = load_settings({
             "PD_EXTPROC_ENVOY_BIN": self.tools.envoy,
+            "PD_EXTPROC_ADAPTER": "sglang" if worker_set.engine == "sglang" else "vllm_nixl",
             # What an operator configures: the one prefill worker is the allowed target (loopback is
             # refused by default), and the metrics endpoint must not claim a fixed port.
             "PD_EXTPROC_PREFILL_ALLOW": f"127.0.0.1/32:{prefill_port}",
@@ -128,43 +191,42 @@ class Fleet:
         }, {})
         settings = dataclasses.replace(
             settings,
-            decode=parse_address(self.decode.address),
+            decode=parse_address(worker_set.decode.address),
             listen=parse_address("127.0.0.1:0", allow_port_zero=True),
             envoy_admin=parse_address("127.0.0.1:0", allow_port_zero=True),
         )
-        self.pd = start_stack(settings, workdir, grpc_unix=True)
-        self.settings = self.pd.settings
-        assert self.pd.server is not None and self.pd.server.process is not None and self.pd.envoy is not None
-        assert self.pd.envoy.child.process is not None
-        self.server_log = self.pd.server.log_path
-        envoy_pid = self.pd.envoy.child.process.pid
-        self.systems["passthrough"] = System("passthrough", self.pd.url, processes={"envoy": envoy_pid})
-        self.systems["pd-extproc"] = System(
-            "pd-extproc", self.pd.url, headers={PREFILL_TARGET_HEADER: self.prefill.address}, pd=True,
-            processes={"pd-extproc": self.pd.server.process.pid, "envoy": envoy_pid},
+        worker_set.pd = pd = start_stack(settings, workdir, grpc_unix=True)
+        assert pd.server is not None and pd.server.process is not None and pd.envoy is not None
+        assert pd.envoy.child.process is not None
+        worker_set.server_log = pd.server.log_path
+        self.envoys[f"{worker_set.name}-pd"] = pd.envoy
+        envoy_pid = pd.envoy.child.process.pid
+        if worker_set.engine == "vllm":
+            worker_set.systems["passthrough"] = System("passthrough", pd.url, processes={"envoy": envoy_pid},
+                                                       workers=worker_set.name)
+        worker_set.systems["pd-extproc"] = System(
+            "pd-extproc", pd.url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
+            processes={"pd-extproc": pd.server.process.pid, "envoy": envoy_pid}, workers=worker_set.name,
         )
 
-    def _start_vllm_router(self, attempts: int = 3) -> None:
-        """vllm-router cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""
+    def _start_router(self, worker_set: WorkerSet, name: str, argv: list[str], attempts: int = 3) -> None:
+        """The routers cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""
         for attempt in range(attempts):
             port, metrics_port = procs.free_port(), procs.free_port()
-            child = process.Child(f"vllm-router-{attempt}", [
-                self.tools.vllm_router, "--host", "127.0.0.1", "--port", str(port),
-                "--vllm-pd-disaggregation", "--prefill", self.prefill.url, "--decode", self.decode.url,
-                "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
+            child = process.Child(f"{worker_set.name}-{name}-{attempt}", [
+                *argv, "--host", "127.0.0.1", "--port", str(port),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                "--worker-startup-check-interval", "1",
-            ], os.environ, self._subdir("vllm-router"))
+            ], os.environ, self._subdir(name))
             self.children.append(child)
             child.start()
             url = f"http://127.0.0.1:{port}"
             if _wait_http_up(url + "/health", child, timeout=60):
                 assert child.process is not None
-                self.systems["vllm-router"] = System(
-                    "vllm-router", url, pd=True, processes={"vllm-router": child.process.pid})
+                worker_set.systems[name] = System(name, url, pd=True, processes={name: child.process.pid},
+                                                  workers=worker_set.name)
                 return
             child.stop()
-        raise process.StackError(f"vllm-router did not start after {attempts} attempts; see {self.log_dir}")
+        raise process.StackError(f"{name} did not start after {attempts} attempts; see {self.log_dir}")
 
 
 def _wait_http_up(url: str, child: process.Child, timeout: float) -> bool:
@@ -179,8 +241,8 @@ def _wait_http_up(url: str, child: process.Child, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def running_fleet(tools: Tools, log_dir: Path) -> Iterator[Fleet]:
-    fleet = Fleet(tools, log_dir)
+def running_fleet(tools: Tools, log_dir: Path, sets: tuple[str, ...] = WORKER_SETS) -> Iterator[Fleet]:
+    fleet = Fleet(tools, log_dir, sets)
     try:
         fleet.start()
         yield fleet

@@ -15,8 +15,9 @@ from typing import Any
 import orjson
 
 from bench.systems import System
-from bench.workers import LegCounters, Worker
+from bench.workers import CheapWorker, LegCounters, Worker
 from bench.workload import CHAT_PATH, chat_body
+from extproc.emulator.worker import EmulatedWorker
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 
 
@@ -45,6 +46,8 @@ def _check_pd(legs: LegCounters, completed: int, concurrency: int) -> list[str]:
                  f"{legs.decode_transfers:.0f} KV pulls for {completed} completed requests"),
         *_expect(legs.decode_transfers <= legs.prefill_leases_granted <= legs.decode_transfers + concurrency,
                  f"{legs.prefill_leases_granted:.0f} prefill legs for {legs.decode_transfers:.0f} KV pulls"),
+        *_expect(legs.distinct_handoffs < 0 or legs.distinct_handoffs == legs.decode_transfers,
+                 f"{legs.decode_transfers:.0f} decode legs, {legs.distinct_handoffs:.0f} distinct handoffs"),
     ]
 
 
@@ -67,11 +70,15 @@ class Inspection:
 
 
 def inspect_one_request(system: System, prefill: Worker, decode: Worker) -> Inspection:
-    """Send one non-streaming request and read back what each worker received."""
+    """Send one non-streaming request and read back what each worker received (a cheap worker keeps no
+    request records: its counters only)."""
     for worker in (prefill, decode):
         worker.reset()
     client_body = chat_body(stream=False)
     status = _post(system.url + CHAT_PATH, client_body, system.headers)
+    if isinstance(prefill, CheapWorker) and isinstance(decode, CheapWorker):
+        return _inspect_cheap(system, status, prefill, decode)
+    assert isinstance(prefill, EmulatedWorker) and isinstance(decode, EmulatedWorker)
     prefill_records, decode_records = _generation_requests(prefill), _generation_requests(decode)
     inspection = Inspection(system.name, status, len(prefill_records), len(decode_records))
     inspection.routing_header_reached_worker = any(
@@ -108,6 +115,21 @@ def _inspection_problems(system: System, inspection: Inspection, prefill_records
     return problems
 
 
+def _inspect_cheap(system: System, status: int, prefill: CheapWorker, decode: CheapWorker) -> Inspection:
+    p, d = prefill.counters(), decode.counters()
+    inspection = Inspection(system.name, status, p["requests"], d["requests"])
+    problems = _expect(status == 200, f"status {status}")
+    if system.pd:
+        problems += _expect(p["producer"] == 1 and d["consumer"] == 1 and p["plain"] == 0 and d["plain"] == 0,
+                            f"prefill {p}, decode {d}: expected one producer and one consumer leg")
+    else:
+        expected_prefill = 1 if system.name == "direct-prefill" else 0
+        problems += _expect(p["requests"] == expected_prefill and d["requests"] == 1 - expected_prefill,
+                            "unexpected legs")
+    inspection.problems = problems
+    return inspection
+
+
 def _changes(client: dict[str, Any], received: dict[str, Any] | None) -> list[str]:
     """Top-level members a worker saw added, removed or changed compared with the client's body."""
     if received is None:
@@ -118,7 +140,7 @@ def _changes(client: dict[str, Any], received: dict[str, Any] | None) -> list[st
     return changes
 
 
-def _generation_requests(worker: Worker) -> list[dict[str, Any]]:
+def _generation_requests(worker: EmulatedWorker) -> list[dict[str, Any]]:
     return [r for r in worker.requests() if r["target"].startswith("/v1/")]
 
 

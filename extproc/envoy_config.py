@@ -1,8 +1,11 @@
 """Renders the Envoy bootstrap from Settings: one source of truth for ports, timeouts and limits.
 
 Route "pd" (POST /v1/chat/completions or /v1/completions carrying x-prefiller-host-port) runs
-ext_proc; every other request takes route "passthrough", where ext_proc is disabled and our server
-is never called. See research notes in PROTOCOL.md ("Envoy contract") for why each value is set.
+ext_proc; every other request takes route "passthrough", where our server is never called. The ext_proc
+filter is disabled by default in the connection manager and enabled by the pd route alone, so Envoy does
+not even build the filter for a passthrough request (a route that disables it with ExtProcPerRoute would
+still build it, and pay for it, on every request).
+See research notes in PROTOCOL.md ("Envoy contract") for why each value is set.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ PD_PATH_REGEX = "/v1/(chat/)?completions"
 _TYPE = "@type"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_FILTER_CONFIG = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
 _EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 _BODY_LIMIT = "type.googleapis.com/envoy.extensions.filters.http.body_size_limit.v3.BodySizeLimit"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
@@ -173,7 +177,6 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "match": {"prefix": "/"},
         "route": _route_common(settings),
         "request_headers_to_remove": sorted(PICKER_HEADERS),
-        "typed_per_filter_config": {EXT_PROC_FILTER: {_TYPE: _EXT_PROC_PER_ROUTE, "disabled": True}},
     }
     if not pd_enabled:
         return [passthrough]
@@ -194,6 +197,10 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
             "header": {"key": FALLBACK_HEADER, "value": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%"},
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD", "keep_empty_value": False,
         }],
+        # Enables the ext_proc filter, disabled by default in the connection manager (see the module docstring).
+        # Envoy wants a config inside: an ExtProcPerRoute with nothing overridden.
+        "typed_per_filter_config": {EXT_PROC_FILTER: {_TYPE: _FILTER_CONFIG, "config": {
+            _TYPE: _EXT_PROC_PER_ROUTE, "overrides": {}}}},
     }
     return [pd_route, passthrough]
 
@@ -224,7 +231,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
          "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
     ]
     if pd_enabled:
-        filters.append({"name": EXT_PROC_FILTER, "typed_config": _ext_proc_filter(settings)})
+        filters.append({"name": EXT_PROC_FILTER, "disabled": True, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
     return {
         _TYPE: _HCM,

@@ -1,6 +1,6 @@
 """The seam under the processor: everything it asks of the network, as one small protocol.
 
-``upstream.PrefillClient`` is the real one (aiohttp); tests use an in-memory fake. A transport raises
+``upstream.PrefillClient`` is the real one (extproc/http1.py); tests use an in-memory fake. A transport raises
 only PdError (classified once, in the transport); any other exception is a bug.
 """
 

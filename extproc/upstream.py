@@ -7,13 +7,14 @@ This is the only module that talks to prefill workers. Every failure becomes a P
   * no address, or the connection failed or broke before a response head -> prefill_upstream_unavailable
   * the connection broke after the head, mid-body                        -> prefill_response_truncated
   * the body exceeds the cap (Content-Length, or while reading)          -> prefill_response_too_large
-A non-200 status is returned without reading its body: it is never relayed. The exception -> code
-table is ``classify`` (pure; unit-tested row by row).
+A non-200 status is returned without reading its body: it is never relayed (the connection is then
+closed, not reused). The exception -> code table is ``classify`` (pure; unit-tested row by row).
 
 A host name is resolved here, once per request, and we connect to the address that was checked, so
-a second resolution cannot swap in a forbidden address. aiohttp rather than httpx: on the same
-emulated worker one prefill call cost 0.86 ms p50 with aiohttp and 2.2 ms with httpx (README,
-"Design notes").
+a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/http1.py on
+an asyncio Protocol, with a keep-alive pool per (address, port, TLS name): no proxies, no redirects,
+no decompression, no cookies. It replaced aiohttp, which replaced httpx; each was measured on the same
+worker (README, "Design notes").
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from types import SimpleNamespace
-from typing import Any
 
-import aiohttp
-from yarl import URL
-
+from extproc import http1
 from extproc.adapters.base import PrefillReply
 from extproc.errors import Code, PdError
 from extproc.metrics import RequestRecord
@@ -39,7 +36,7 @@ from extproc.prefill_policy import PrefillPolicy, first_allowed
 from extproc.prefill_target import PrefillTarget
 from extproc.transport import Bounds, ResolvedTarget
 
-_READ_CHUNK = 64 << 10
+KEEPALIVE_SECONDS = 30.0  # an idle pooled connection older than this is closed, not reused
 
 
 class Phase(Enum):
@@ -48,9 +45,10 @@ class Phase(Enum):
 
 
 def classify(exc: BaseException, phase: Phase) -> Code:
-    """The error code of a transport failure: a timeout is a timeout in either phase; any other
-    failure is "unavailable" before the response head and "truncated" after it."""
-    if isinstance(exc, aiohttp.ServerTimeoutError | aiohttp.ConnectionTimeoutError | TimeoutError):
+    """The error code of a transport failure: a timeout (connect, read gap, or any TimeoutError) is a
+    timeout in either phase; any other failure is "unavailable" before the response head and
+    "truncated" after it."""
+    if isinstance(exc, TimeoutError):
         return Code.PREFILL_UPSTREAM_TIMEOUT
     return Code.PREFILL_UPSTREAM_UNAVAILABLE if phase is Phase.HEAD else Code.PREFILL_RESPONSE_TRUNCATED
 
@@ -79,14 +77,7 @@ def tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext:
     return context
 
 
-async def _connection_started(_session: Any, context: SimpleNamespace, _params: Any) -> None:
-    context.connect_started = time.perf_counter()
-
-
-async def _connection_made(_session: Any, context: SimpleNamespace, _params: Any) -> None:
-    record = context.trace_request_ctx
-    if isinstance(record, RequestRecord):
-        record.prefill_connect_seconds = time.perf_counter() - context.connect_started
+_PoolKey = tuple[str, int, str | None]  # (address, port, TLS server name or None)
 
 
 class PrefillClient:
@@ -96,33 +87,16 @@ class PrefillClient:
         self._limits = limits
         self._policy = policy
         self._tls = tls
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout,
-        )
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            tracing = aiohttp.TraceConfig()
-            tracing.on_connection_create_start.append(_connection_started)
-            tracing.on_connection_create_end.append(_connection_made)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self._limits.max_connections, limit_per_host=0, keepalive_timeout=30,
-                    use_dns_cache=False, ssl=self._tls.context if self._tls else False,
-                ),
-                timeout=self._timeout,
-                cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
-                auto_decompress=False,  # we ask for identity; the size cap is on the bytes we read
-                trust_env=False,  # never route prefill traffic through an environment proxy
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"),
-                trace_configs=[tracing],
-            )
-        return self._session
+        self._idle: dict[_PoolKey, list[http1.Connection]] = {}
+        self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
+        self._open = True
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self._open = False
+        for connections in self._idle.values():
+            for connection in connections:
+                connection.close()
+        self._idle.clear()
 
     async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
@@ -157,11 +131,12 @@ class PrefillClient:
                        body: bytes | None, record: RequestRecord | None, bounds: Bounds | None) -> PrefillReply:
         started = time.perf_counter()
         deadline = bounds.deadline if bounds is not None else self._limits.deadline
-        gaps = self._timeout if bounds is None else aiohttp.ClientTimeout(
-            total=None, connect=None, sock_connect=self._limits.connect_timeout, sock_read=bounds.read_timeout)
+        gap = bounds.read_timeout if bounds is not None else self._limits.read_timeout
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._limits.max_connections)
         try:
-            async with asyncio.timeout(deadline):
-                return await self._exchange(method, target, path, headers, body, record, started, gaps)
+            async with asyncio.timeout(deadline), self._slots:
+                return await self._exchange(method, target, path, headers, body, record, started, gap)
         except TimeoutError:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:
@@ -170,48 +145,68 @@ class PrefillClient:
 
     async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
                         body: bytes | None, record: RequestRecord | None, started: float,
-                        gaps: aiohttp.ClientTimeout) -> PrefillReply:
+                        gap: float) -> PrefillReply:
         tls = self._tls if target.tls else None
-        # encoded=True: the client's path and query go out exactly as received (no re-quoting of %2F).
-        url = URL(f"{'https' if tls else 'http'}://{target.connect_authority}{path}", encoded=True)
+        server_name = (tls.server_name or target.target.host) if tls else None
+        key = (str(target.ip), target.target.port, server_name)
+        # The client's path and query go out exactly as received (no re-quoting of %2F).
+        request = http1.encode_request(method, path, target.target.authority, headers, body)
+        connection = self._pooled(key)
         try:
-            response = await self._open().request(
-                method, url, data=body, headers=[*headers, ("host", target.target.authority)],
-                allow_redirects=False, ssl=tls.context if tls else False,
-                server_hostname=(tls.server_name or target.target.host) if tls else None, trace_request_ctx=record,
-                timeout=gaps,
-            )
-        except (aiohttp.ClientError, OSError) as exc:
-            raise PdError(classify(exc, Phase.HEAD)) from None
-        if record is not None:
-            record.prefill_response_seconds = time.perf_counter() - started
-            record.prefill_status = response.status
-        try:
-            content_type = response.headers.get("content-type")
-            if response.status != 200:
-                return PrefillReply(response.status, content_type, b"")
-            body_read = await self._read_capped(response)
+            if connection is None:
+                connection = await self._connect(key, tls, record)
+            assert connection.transport is not None
+            connection.transport.write(request)
+            try:
+                head = await connection.read_head(gap)
+            except OSError as exc:  # http1's errors, a reset: nothing usable before the head
+                raise PdError(classify(exc, Phase.HEAD)) from None
+            if record is not None:
+                record.prefill_response_seconds = time.perf_counter() - started
+                record.prefill_status = head.status
+            content_type = head.get("content-type")
+            if head.status != 200:
+                return PrefillReply(head.status, content_type, b"")
+            try:
+                body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
+            except http1.BodyTooLarge:
+                raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE) from None
+            except OSError as exc:
+                raise PdError(classify(exc, Phase.BODY)) from None
             if record is not None:
                 record.prefill_response_bytes = len(body_read)
+            if connection.reusable and self._open:
+                connection.idle_since = time.monotonic()
+                self._idle.setdefault(key, []).append(connection)
+                connection = None
             return PrefillReply(200, content_type, body_read)
         finally:
-            response.close()
+            if connection is not None:  # anything but a complete, reusable exchange: never reused
+                connection.close()
 
-    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
-        cap = self._limits.max_response_bytes
-        if response.content_length is not None and response.content_length > cap:
-            raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE)
-        chunks: list[bytes] = []
-        size = 0
+    def _pooled(self, key: _PoolKey) -> http1.Connection | None:
+        """The most recently used idle connection to ``key`` that is still open and fresh."""
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, key: _PoolKey, tls: PrefillTls | None, record: RequestRecord | None) -> http1.Connection:
+        host, port, server_name = key
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                chunk = await response.content.read(_READ_CHUNK)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > cap:
-                    raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE)
-                chunks.append(chunk)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise PdError(classify(exc, Phase.BODY)) from None
-        return b"".join(chunks)
+            async with asyncio.timeout(self._limits.connect_timeout):
+                _, connection = await loop.create_connection(
+                    http1.Connection, host, port, ssl=tls.context if tls else None, server_hostname=server_name)
+        except TimeoutError:
+            raise PdError(classify(http1.ConnectTimeout(), Phase.HEAD)) from None
+        except OSError as exc:  # refused, unreachable, TLS handshake or certificate failures
+            raise PdError(classify(exc, Phase.HEAD)) from None
+        if record is not None:
+            record.prefill_connect_seconds = time.perf_counter() - started
+        return connection

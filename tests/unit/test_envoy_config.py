@@ -56,10 +56,17 @@ def test_timeouts_and_limits_come_from_one_settings_object() -> None:
 
 
 def test_only_the_pd_route_runs_ext_proc_and_both_strip_the_pickers_headers() -> None:
-    routes = _hcm(render(load_settings({}, {})))["route_config"]["virtual_hosts"][0]["routes"]
+    """ext_proc is disabled by default and enabled by the pd route alone (Envoy then builds no ext_proc
+    filter for a passthrough request); the pd route's per-route config overrides nothing."""
+    hcm = _hcm(render(load_settings({}, {})))
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["disabled"] is True
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["name"] for r in routes] == ["pd", "passthrough"]
-    assert "typed_per_filter_config" not in routes[0]
-    assert routes[1]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    enabled = routes[0]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+    assert enabled["@type"].endswith("envoy.config.route.v3.FilterConfig") and not enabled.get("disabled")
+    assert enabled["config"]["overrides"] == {}
+    assert "typed_per_filter_config" not in routes[1]
     picker = ["x-encoder-hosts-ports", "x-kv-cache-source-host-port", "x-prefiller-host-port"]
     assert all(r["request_headers_to_remove"] == picker for r in routes)
 

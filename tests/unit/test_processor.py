@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoy_messages as msg
+from extproc import http1
 from extproc.adapters.base import Adapter, PrefillReply
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
@@ -326,13 +327,16 @@ def test_decode_answering_while_the_prefill_is_fine_is_decodes_answer() -> None:
 
 
 @pytest.mark.parametrize("exc,phase,code", [
-    (aiohttp.ConnectionTimeoutError(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
-    (aiohttp.ServerTimeoutError(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
-    (aiohttp.ServerTimeoutError(), Phase.BODY, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (http1.ConnectTimeout(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (http1.ReadTimeout(), Phase.HEAD, Code.PREFILL_UPSTREAM_TIMEOUT),
+    (http1.ReadTimeout(), Phase.BODY, Code.PREFILL_UPSTREAM_TIMEOUT),
     (TimeoutError(), Phase.BODY, Code.PREFILL_UPSTREAM_TIMEOUT),
     (ConnectionRefusedError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
-    (aiohttp.ServerDisconnectedError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
-    (aiohttp.ClientPayloadError(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
+    (ssl.SSLCertVerificationError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
+    (http1.ConnectionClosed(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
+    (http1.ProtocolError(), Phase.HEAD, Code.PREFILL_UPSTREAM_UNAVAILABLE),
+    (http1.ConnectionClosed(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
+    (http1.ProtocolError(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
     (ConnectionResetError(), Phase.BODY, Code.PREFILL_RESPONSE_TRUNCATED),
 ], ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else str(value))
 def test_upstream_classifies_each_failure_once(exc: BaseException, phase: Phase, code: Code) -> None:

@@ -1,0 +1,260 @@
+"""The cheapest prefill/decode worker we could write, so that the proxies, not the workers, bound a run.
+
+``python bench/cheap_worker.py --engine vllm|sglang --role prefill|decode [--engine-id ID]`` listens on
+127.0.0.1 (a free port), prints ``ready url=http://...`` and answers every generation request with
+bytes prepared at start-up: no JSON parsing, one regex scan per body, one write per response. It
+imports the standard library and uvloop only (no project module), so its cost is what it is.
+
+What it still proves, per leg, on ``GET /_cheap/counters`` (``POST /_cheap/reset`` zeroes them):
+
+  vllm prefill   ``producer``: requests asking for a KV producer handoff (``"do_remote_decode": true``);
+                 each is answered with a vLLM 0.32-shaped handoff naming this worker's engine id and a
+                 fresh ``remote_request_id`` (``cheap-N``)
+  vllm decode    ``consumer``: requests carrying a handoff (``"do_remote_prefill": true``) whose
+                 ``remote_engine_id`` is the prefill worker's (``--engine-id``); ``handoff_ids`` counts
+                 distinct ``remote_request_id`` values among them
+  sglang both    ``producer`` / ``consumer``: requests carrying ``bootstrap_room`` (decode: and
+                 ``bootstrap_host``)
+  every role     ``plain``: generation requests with none of that; ``requests``: all of them
+
+There is no KV ledger (no lease, no pull): the emulated workers (extproc/emulator) prove that; these
+only count that both legs ran and that decode got the handoff prefill made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+
+REASON = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
+TOKENS = 16
+_CONTENT = "".join(f"tok{i} " for i in range(TOKENS))
+_HANDOFF_MARK = re.compile(rb'"do_remote_decode"\s*:\s*true')
+_CONSUMER_MARK = re.compile(rb'"do_remote_prefill"\s*:\s*true')
+_ENGINE_ID = re.compile(rb'"remote_engine_id"\s*:\s*"([^"]*)"')
+_REQUEST_ID = re.compile(rb'"remote_request_id"\s*:\s*"([^"]*)"')
+_STREAM = re.compile(rb'"stream"\s*:\s*true')
+_ROOM = re.compile(rb'"bootstrap_room"\s*:')
+_HOST = re.compile(rb'"bootstrap_host"\s*:')
+
+
+def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+            % (status, REASON.get(status, b"OK"), content_type, len(body))) + body
+
+
+def _chunked_stream(body: bytes) -> bytes:
+    """One SSE body as a chunked response: one chunk, then the last chunk (written at once)."""
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+
+
+def _completion(model: str, chat: bool) -> dict[str, object]:
+    choice: dict[str, object]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": _CONTENT}, "logprobs": None,
+                  "finish_reason": "length"}
+    else:
+        choice = {"index": 0, "text": _CONTENT, "logprobs": None, "finish_reason": "length"}
+    return {"id": "cheap", "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": 150, "completion_tokens": TOKENS, "total_tokens": 150 + TOKENS}}
+
+
+def _sse(model: str, chat: bool) -> bytes:
+    created = int(time.time())
+    frames = []
+    for i in range(TOKENS + 1):  # a role chunk (chat) or an empty first chunk, then one chunk per token
+        last = i == TOKENS
+        token = "" if i == 0 else f"tok{i - 1} "
+        choice: dict[str, object] = ({"index": 0, "delta": {"role": "assistant", "content": token} if i == 0
+                                      else {"content": token}, "logprobs": None} if chat
+                                     else {"index": 0, "text": token, "logprobs": None})
+        choice["finish_reason"] = "length" if last else None
+        chunk = {"id": "cheap", "object": "chat.completion.chunk" if chat else "text_completion",
+                 "created": created, "model": model, "choices": [choice]}
+        frames.append(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    frames.append(b"data: [DONE]\n\n")
+    return b"".join(frames)
+
+
+class Worker:
+    def __init__(self, engine: str, role: str, engine_id: str, bootstrap_port: int, model: str = "cheap") -> None:
+        self.engine, self.role, self.engine_id = engine, role, engine_id.encode()
+        self.counters = {"requests": 0, "producer": 0, "consumer": 0, "plain": 0}
+        self.handoff_ids: set[bytes] = set()
+        self.unknown_paths: set[str] = set()
+        self._next_id = 0
+        self._full = {chat: _response(200, json.dumps(_completion(model, chat)).encode()) for chat in (True, False)}
+        self._stream = {chat: _chunked_stream(_sse(model, chat)) for chat in (True, False)}
+        handoff_completion = _completion(model, True)
+        handoff_completion["kv_transfer_params"] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
+            "remote_engine_id": engine_id, "remote_request_id": "@ID@", "remote_host": "127.0.0.1",
+            "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 150,
+            "remote_blocks_expiry_time": None, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0}
+        self._handoff_parts = json.dumps(handoff_completion).encode().split(b"@ID@")
+        self._info = {
+            "model_path": model, "served_model_name": model, "tp_size": 1, "dp_size": 1,
+            "disaggregation_mode": role, "disaggregation_bootstrap_port": bootstrap_port, "version": "cheap",
+        }
+
+    def get(self, path: bytes) -> bytes:
+        if path == b"/health" or path == b"/health_generate":
+            return _response(200, b"")
+        if path == b"/_cheap/counters":
+            return _response(200, json.dumps({**self.counters, "handoff_ids": len(self.handoff_ids),
+                                              "unknown_paths": sorted(self.unknown_paths)}).encode())
+        if path == b"/v1/models":
+            return _response(200, b'{"object":"list","data":[{"id":"cheap","object":"model","owned_by":"cheap"}]}')
+        if path in (b"/server_info", b"/get_server_info", b"/get_model_info", b"/model_info"):
+            return _response(200, json.dumps(self._info).encode())
+        return self._unknown(path)
+
+    def post(self, path: bytes, body: bytes) -> bytes:
+        if path == b"/_cheap/reset":
+            self.counters = dict.fromkeys(self.counters, 0)
+            self.handoff_ids.clear()
+            return _response(200, b"{}")
+        chat = path == b"/v1/chat/completions"
+        if not chat and path not in (b"/v1/completions", b"/generate"):
+            return self._unknown(path)
+        self.counters["requests"] += 1
+        stream = _STREAM.search(body) is not None
+        if self.engine == "vllm":
+            return self._vllm(body, chat, stream)
+        marked = _ROOM.search(body) is not None and (self.role == "prefill" or _HOST.search(body) is not None)
+        self.counters["producer" if self.role == "prefill" and marked else
+                      "consumer" if marked else "plain"] += 1
+        return self._stream[chat] if stream else self._full[chat]
+
+    def _vllm(self, body: bytes, chat: bool, stream: bool) -> bytes:
+        if self.role == "prefill" and _HANDOFF_MARK.search(body):
+            self.counters["producer"] += 1
+            self._next_id += 1
+            payload = self._handoff_parts[0] + b"cheap-%d" % self._next_id + self._handoff_parts[1]
+            return _response(200, payload)
+        if self.role == "decode" and _CONSUMER_MARK.search(body):
+            engine = _ENGINE_ID.search(body)
+            if engine is not None and engine.group(1) == self.engine_id:
+                self.counters["consumer"] += 1
+                request_id = _REQUEST_ID.search(body)
+                if request_id is not None:
+                    self.handoff_ids.add(request_id.group(1))
+                return self._stream[chat] if stream else self._full[chat]
+        self.counters["plain"] += 1
+        return self._stream[chat] if stream else self._full[chat]
+
+    def _unknown(self, path: bytes) -> bytes:
+        text = path.decode("latin-1")
+        if text not in self.unknown_paths:
+            self.unknown_paths.add(text)
+            sys.stderr.write(f"cheap worker: unknown path {text}\n")
+        return _response(404, b'{"error":"not found"}')
+
+
+class Connection(asyncio.Protocol):
+    """HTTP/1.1 keep-alive, requests with Content-Length or chunked bodies, answered in order."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        replies = []
+        while True:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            head = bytes(buffer[:end])
+            request_line, _, header_block = head.partition(b"\r\n")
+            lowered = header_block.lower()
+            body_start = end + 4
+            length = 0
+            at = lowered.find(b"content-length:")
+            if at >= 0:
+                line_end = lowered.find(b"\r\n", at)
+                length = int(lowered[at + 15:line_end if line_end >= 0 else None])
+            elif b"transfer-encoding: chunked" in lowered:
+                decoded = _dechunk(buffer, body_start)
+                if decoded is None:
+                    break
+                body, consumed = decoded
+                del buffer[:consumed]
+                replies.append(self._answer(request_line, body))
+                continue
+            if len(buffer) < body_start + length:
+                break
+            body = bytes(buffer[body_start:body_start + length])
+            del buffer[:body_start + length]
+            replies.append(self._answer(request_line, body))
+        if replies and self.transport is not None:
+            self.transport.write(b"".join(replies))
+
+    def _answer(self, request_line: bytes, body: bytes) -> bytes:
+        method, _, rest = request_line.partition(b" ")
+        path = rest.rpartition(b" ")[0].split(b"?", 1)[0]
+        return self.worker.post(path, body) if method == b"POST" else self.worker.get(path)
+
+
+def _dechunk(buffer: bytearray, start: int) -> tuple[bytes, int] | None:
+    """(body, bytes consumed) of a complete chunked body starting at ``start``; None while incomplete."""
+    parts: list[bytes] = []
+    at = start
+    while True:
+        line_end = buffer.find(b"\r\n", at)
+        if line_end < 0:
+            return None
+        size = int(bytes(buffer[at:line_end]).split(b";", 1)[0], 16)
+        if size == 0:
+            trailer_end = buffer.find(b"\r\n\r\n", line_end)
+            if trailer_end < 0:
+                return None
+            return b"".join(parts), trailer_end + 4
+        if len(buffer) < line_end + 2 + size + 2:
+            return None
+        parts.append(bytes(buffer[line_end + 2:line_end + 2 + size]))
+        at = line_end + 2 + size + 2
+
+
+async def _serve(worker: Worker, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Connection(worker), "127.0.0.1", port, backlog=4096)
+    bound = server.sockets[0].getsockname()[1]
+    sys.stdout.write(f"ready url=http://127.0.0.1:{bound}\n")
+    sys.stdout.flush()
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--engine-id", default="cheap-prefill-engine",
+                        help="vllm: the prefill engine id (prefill names it, decode expects it)")
+    parser.add_argument("--bootstrap-port", type=int, default=8998, help="sglang: what /server_info reports")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    worker = Worker(args.engine, args.role, args.engine_id, args.bootstrap_port)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(_serve(worker, args.port))
+    else:
+        uvloop.run(_serve(worker, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
