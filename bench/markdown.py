@@ -10,7 +10,8 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router",
+                "sglang-router")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
@@ -35,6 +36,8 @@ SYSTEM_DESCRIPTIONS = {
     "passthrough": "client -> our Envoy bootstrap (render_yaml), no x-prefiller-host-port -> decode",
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
+    "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "
+                     "both Unix sockets as endpoints, round robin per stream; cheap workers only)",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
     "sglang-router": "client -> sglang-router 0.3.2 `launch --pd-disaggregation --log-level warn` -> prefill and "
                      "decode at once, with bootstrap fields (cheap-sglang workers only)",
@@ -191,7 +194,7 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
+    proxies = ("envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
