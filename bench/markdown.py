@@ -200,6 +200,34 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     return lines
 
 
+def scaling(summary: dict[str, Any]) -> list[str]:
+    """One vs two server processes (measured), and what N cores would give (a model from CPU per request)."""
+    cells = _of_set(summary["latency"], "cheap")
+
+    def cell(system: str) -> dict[str, Any] | None:
+        return next((c for c in cells if c["system"] == system and c["body"] == "non-stream"
+                     and c["concurrency"] == 64), None)
+
+    one, two, router = cell("pd-extproc"), cell("pd-extproc-x2"), cell("vllm-router")
+    if one is None or two is None or router is None:
+        return []
+    ours = sum(one["cpu_us_per_request"].values())
+    ours_two = sum(two["cpu_us_per_request"].values())
+    theirs = sum(router["cpu_us_per_request"].values())
+    rows = [[str(n), f"{n / ours * 1e6:.0f}", f"{n / ours_two * 1e6:.0f}", f"{n / theirs * 1e6:.0f}",
+             f"{theirs / ours:.2f}"] for n in (1, 2, 4, 8, 16)]
+    return ["## Several server processes behind one Envoy (cheap workers, non-stream, c=64)", "",
+            f"Measured here: one server process {one['rps']:.0f} req/s, two {two['rps']:.0f} req/s "
+            f"({two['rps'] / one['rps']:.2f}x), on 2 cores that also run the workers, wrk and Envoy. CPU per P/D "
+            f"request (all proxy processes): one server {ours:.0f} µs, two servers {ours_two:.0f} µs, vllm-router "
+            f"{theirs:.0f} µs.", "",
+            "Model: N cores given to the proxy alone (workers elsewhere), one server process per core, throughput "
+            "= N / CPU per request (no contention between processes assumed: each P/D request is independent "
+            "and Envoy spreads streams round robin over the sockets). It is a ceiling, not a measurement.", "",
+            *_table(["cores", "pd-extproc req/s (1-process CPU)", "pd-extproc req/s (2-process CPU)",
+                     "vllm-router req/s", "ratio (ours / vllm-router)"], rows), ""]
+
+
 def _median_of(points: list[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]) -> float | None:
     values = sorted(v for v in (value(p) for p in points) if v is not None)
     return values[len(values) // 2] if values else None
@@ -356,7 +384,7 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
     lines = [*header(results, command), *validity(summary), *targets(summary),
-             *latency_tables(summary, results["options"]), *breakdown(results),
+             *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]
     return "\n".join(lines) + "\n"
