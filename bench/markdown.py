@@ -29,8 +29,8 @@ SET_DESCRIPTIONS = {
                 "prefill and pulled by decode over its side channel, every pull counted",
 }
 SYSTEM_DESCRIPTIONS = {
-    "direct": "client -> emulated decode worker (the floor)",
-    "direct-prefill": "client -> emulated prefill worker, max_tokens 16, no KV params (reference: the prefill "
+    "direct": "client -> the set's decode worker (the floor)",
+    "direct-prefill": "client -> the set's prefill worker, max_tokens 16, no KV params (reference: the prefill "
                       "worker's own cost, non-streaming only)",
     "envoy": "client -> plain Envoy (router filter only) -> decode (\"Envoy alone\")",
     "passthrough": "client -> our Envoy bootstrap (render_yaml), no x-prefiller-host-port -> decode",
@@ -128,8 +128,7 @@ def header(results: dict[str, Any], command: str) -> list[str]:
         "one keep-alive connection per client, request timed from first byte written to last byte read, so a "
         "stream is timed to its end), concurrency "
         + ", ".join(str(c) for c in options["concurrency"])
-        + "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
-        " (cheap workers; cheap-sglang: " + ", ".join(str(c) for c in set_levels(options, "cheap-sglang"))
+        + " (cheap workers; cheap-sglang: " + ", ".join(str(c) for c in set_levels(options, "cheap-sglang"))
         + "; emulated: " + ", ".join(str(c) for c in set_levels(options, "emulated")) + ")"
         "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
         "Added latency = system minus direct decode in the same round on the same workers, median over rounds. "
