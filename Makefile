@@ -75,8 +75,8 @@ test: install lint realvllm sglang-models deploy-tools compose-tools base-image 
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
-# virtualenv: vllm-router 0.1.17 (the peer), matplotlib (the plot) and py-spy (the profile), all
-# pinned in bench/requirements.txt; the load generator is Debian's wrk.
+# virtualenv: vllm-router 0.1.17 and sglang-router 0.3.2 (the peers), matplotlib (the plot) and py-spy
+# (the profile), all pinned in bench/requirements.txt; the load generator is Debian's wrk.
 BENCH_VENV := .venv-bench
 
 $(BENCH_VENV)/.installed: bench/requirements.txt

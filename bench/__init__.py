@@ -1,6 +1,9 @@
-"""The P/D benchmark: pd-extproc against direct decode, plain Envoy and vllm-router, on one machine.
+"""The P/D benchmark: pd-extproc against direct decode, plain Envoy, vllm-router and sglang-router, on one machine.
 
-Run it with ``make bench``. Every system under test talks to the same two emulated workers (one
-prefill, one decode), the load generator is wrk, and the measurement points of all systems are
-interleaved round by round so machine noise falls on all of them alike. See bench/RESULTS.md.
+Run it with ``make bench``. The systems of a worker set (bench/systems.py) talk to the same two workers
+(one prefill, one decode): cheap workers (bench/cheap_worker.py) for the headline table, where the
+workers are never the bottleneck (a run is invalid unless direct decode reaches 5x the fastest P/D
+proxy), and emulated vLLM workers with a KV ledger for the second table. The load generator is wrk, and
+the measurement points of all systems are interleaved round by round so machine noise falls on all of
+them alike. See bench/RESULTS.md.
 """

@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (numbers not meaningful)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds per point")
     parser.add_argument("--seconds", type=int, help="whole seconds per measured point")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels of the cheap set")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="work directory (logs, results.json)")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where to write the report")
     parser.add_argument("--plot", type=Path, default=BENCH_DIR / "added_latency.png", help="where to write the PNG")
@@ -45,6 +46,8 @@ def _options(args: argparse.Namespace, py_spy: str) -> Options:
         values["rounds"] = args.rounds
     if args.seconds is not None:
         values["seconds"] = args.seconds
+    if args.concurrency:
+        values["concurrency"] = tuple(args.concurrency)
     return dataclasses.replace(Options(py_spy=py_spy), **values)  # type: ignore[arg-type]
 
 

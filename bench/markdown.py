@@ -10,7 +10,8 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router",
+                "sglang-router")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
@@ -28,13 +29,15 @@ SET_DESCRIPTIONS = {
                 "prefill and pulled by decode over its side channel, every pull counted",
 }
 SYSTEM_DESCRIPTIONS = {
-    "direct": "client -> emulated decode worker (the floor)",
-    "direct-prefill": "client -> emulated prefill worker, max_tokens 16, no KV params (reference: the prefill "
+    "direct": "client -> the set's decode worker (the floor)",
+    "direct-prefill": "client -> the set's prefill worker, max_tokens 16, no KV params (reference: the prefill "
                       "worker's own cost, non-streaming only)",
     "envoy": "client -> plain Envoy (router filter only) -> decode (\"Envoy alone\")",
     "passthrough": "client -> our Envoy bootstrap (render_yaml), no x-prefiller-host-port -> decode",
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
+    "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "
+                     "both Unix sockets as endpoints, round robin per stream; cheap workers only)",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
     "sglang-router": "client -> sglang-router 0.3.2 `launch --pd-disaggregation --log-level warn` -> prefill and "
                      "decode at once, with bootstrap fields (cheap-sglang workers only)",
@@ -125,8 +128,7 @@ def header(results: dict[str, Any], command: str) -> list[str]:
         "one keep-alive connection per client, request timed from first byte written to last byte read, so a "
         "stream is timed to its end), concurrency "
         + ", ".join(str(c) for c in options["concurrency"])
-        + "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
-        " (cheap workers; cheap-sglang: " + ", ".join(str(c) for c in set_levels(options, "cheap-sglang"))
+        + " (cheap workers; cheap-sglang: " + ", ".join(str(c) for c in set_levels(options, "cheap-sglang"))
         + "; emulated: " + ", ".join(str(c) for c in set_levels(options, "emulated")) + ")"
         "; in each round every system runs once per (concurrency, mode), in an order rotated by round. "
         "Added latency = system minus direct decode in the same round on the same workers, median over rounds. "
@@ -191,10 +193,38 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "pd-extproc", "vllm-router", "sglang-router")
+    proxies = ("envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
+
+
+def scaling(summary: dict[str, Any]) -> list[str]:
+    """One vs two server processes (measured), and what N cores would give (a model from CPU per request)."""
+    cells = _of_set(summary["latency"], "cheap")
+
+    def cell(system: str) -> dict[str, Any] | None:
+        return next((c for c in cells if c["system"] == system and c["body"] == "non-stream"
+                     and c["concurrency"] == 64), None)
+
+    one, two, router = cell("pd-extproc"), cell("pd-extproc-x2"), cell("vllm-router")
+    if one is None or two is None or router is None:
+        return []
+    ours = sum(one["cpu_us_per_request"].values())
+    ours_two = sum(two["cpu_us_per_request"].values())
+    theirs = sum(router["cpu_us_per_request"].values())
+    rows = [[str(n), f"{n / ours * 1e6:.0f}", f"{n / ours_two * 1e6:.0f}", f"{n / theirs * 1e6:.0f}",
+             f"{theirs / ours:.2f}"] for n in (1, 2, 4, 8, 16)]
+    return ["## Several server processes behind one Envoy (cheap workers, non-stream, c=64)", "",
+            f"Measured here: one server process {one['rps']:.0f} req/s, two {two['rps']:.0f} req/s "
+            f"({two['rps'] / one['rps']:.2f}x), on 2 cores that also run the workers, wrk and Envoy. CPU per P/D "
+            f"request (all proxy processes): one server {ours:.0f} µs, two servers {ours_two:.0f} µs, vllm-router "
+            f"{theirs:.0f} µs.", "",
+            "Model: N cores given to the proxy alone (workers elsewhere), one server process per core, throughput "
+            "= N / CPU per request (no contention between processes assumed: each P/D request is independent "
+            "and Envoy spreads streams round robin over the sockets). It is a ceiling, not a measurement.", "",
+            *_table(["cores", "pd-extproc req/s (1-process CPU)", "pd-extproc req/s (2-process CPU)",
+                     "vllm-router req/s", "ratio (ours / vllm-router)"], rows), ""]
 
 
 def _median_of(points: list[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]) -> float | None:
@@ -353,7 +383,7 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
 
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
     lines = [*header(results, command), *validity(summary), *targets(summary),
-             *latency_tables(summary, results["options"]), *breakdown(results),
+             *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]
     return "\n".join(lines) + "\n"

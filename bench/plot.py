@@ -20,6 +20,7 @@ SYSTEMS = {  # name -> (label, colour, marker)
     "envoy": ("Envoy alone", "tab:gray", "s"),
     "passthrough": ("our Envoy, passthrough", "tab:blue", "o"),
     "pd-extproc": ("pd-extproc P/D", "tab:red", "D"),
+    "pd-extproc-x2": ("pd-extproc P/D, 2 server processes", "tab:orange", "d"),
     "vllm-router": ("vllm-router 0.1.17 P/D", "tab:green", "^"),
     "sglang-router": ("sglang-router 0.3.2 P/D (SGLang-shaped workers)", "tab:purple", "v"),
     "direct-prefill": ("direct prefill (reference)", "tab:olive", "x"),

@@ -24,7 +24,7 @@ TARGET_RSS_PER_REQUEST = 64 * KIB
 TARGET_PASSTHROUGH_TOLERANCE = 0.05
 TARGET_SERVER_CPU_US = 500.0  # our server's CPU per P/D request at c=64 (issue 17)
 VALIDITY_FACTOR = 5.0
-PD_SYSTEMS = ("pd-extproc", "vllm-router", "sglang-router")
+PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
 HEADLINE = "cheap"
 
 

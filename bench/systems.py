@@ -12,6 +12,8 @@ and the systems of a set:
   envoy             plain Envoy, router filter only ("Envoy alone")
   passthrough       our Envoy bootstrap (render_yaml), request without x-prefiller-host-port
   pd-extproc        our Envoy bootstrap + ``pd-extproc serve``, request with x-prefiller-host-port
+  pd-extproc-x2     the same with two ``pd-extproc serve`` processes, Envoy balancing streams over their
+                    two Unix sockets (cheap set only: what a second core buys)
   vllm-router       vllm-router 0.1.17 in --vllm-pd-disaggregation mode
   sglang-router     sglang-router 0.3.2 in --pd-disaggregation mode (cheap-sglang only)
 """
@@ -28,12 +30,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
 from extproc import process
 from extproc.config import load_settings
+from extproc.envoy_config import EXT_PROC_CLUSTER, render_yaml
 from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
-from extproc.stack import RunningStack, start_stack
+from extproc.process import python_child
+from extproc.stack import RunningStack, settings_env, start_stack, without_settings
 from extproc.units import parse_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +132,8 @@ class Fleet:
             worker_set.systems["direct-prefill"] = System("direct-prefill", worker_set.prefill.url, workers=name)
             self._start_plain_envoy(worker_set)
         self._start_pd_stack(worker_set)
+        if name == HEADLINE:
+            self._start_two_servers(worker_set)
         if worker_set.engine == "vllm":
             self._start_router(worker_set, "vllm-router", [
                 self.tools.vllm_router, "--vllm-pd-disaggregation", "--prefill", worker_set.prefill.url,
@@ -208,6 +216,35 @@ class Fleet:
             "pd-extproc", pd.url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
             processes={"pd-extproc": pd.server.process.pid, "envoy": envoy_pid}, workers=worker_set.name,
         )
+
+    def _start_two_servers(self, worker_set: WorkerSet) -> None:
+        """Two servers (the pd stack's settings, each on its own socket) behind one Envoy whose ext_proc
+        cluster has both as endpoints (round robin, per stream)."""
+        assert worker_set.pd is not None
+        workdir = self._subdir(f"{worker_set.name}-pd-x2")
+        base = worker_set.pd.settings
+        sockets = [workdir / "extproc-1.sock", workdir / "extproc-2.sock"]
+        pids = []
+        for number, path in enumerate(sockets, 1):
+            settings = dataclasses.replace(base, grpc_listen=parse_address(f"unix:{path}", allow_unix=True))
+            child = python_child(f"pd-extproc-serve-{number}", ["serve"],
+                                 {**without_settings(os.environ), **settings_env(settings)}, workdir)
+            self.children.append(child)
+            child.start()
+            child.wait_ready(30)
+            assert child.process is not None
+            pids.append(child.process.pid)
+        config = yaml.safe_load(render_yaml(dataclasses.replace(
+            base, grpc_listen=parse_address(f"unix:{sockets[0]}", allow_unix=True))))
+        cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == EXT_PROC_CLUSTER)
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"pipe": {"path": str(path)}}}} for path in sockets]
+        name = f"{worker_set.name}-pd-x2"
+        url = self._launch_envoy(name, yaml.safe_dump(config, sort_keys=False))
+        worker_set.systems["pd-extproc-x2"] = System(
+            "pd-extproc-x2", url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
+            processes={"pd-extproc": pids[0], "pd-extproc-2": pids[1], "envoy": self._envoy_pid(name)},
+            workers=worker_set.name)
 
     def _start_router(self, worker_set: WorkerSet, name: str, argv: list[str], attempts: int = 3) -> None:
         """The routers cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""
