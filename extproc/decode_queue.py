@@ -33,8 +33,9 @@ def waiting_from(text: str, names: Sequence[str]) -> float | None:
 
 
 class DecodeQueueWatch:
-    """Owns the last reading. ``waiting`` is what the limit and the gauge both see; ``on_failure``
-    counts each scrape that gave no reading; a failure is logged when readings stop, not every time."""
+    """Owns the last reading and the transport it reads with (closed by ``stop``). ``waiting`` is what
+    the limit and the gauge both see; ``on_failure`` counts each scrape that gave no reading; a
+    failure is logged when readings stop, not every time."""
 
     def __init__(self, transport: Transport, decode: ResolvedTarget, gauges: QueueGauges, limit: int,
                  interval: float, on_failure: Callable[[str], None] = lambda _: None,
@@ -110,3 +111,4 @@ class DecodeQueueWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._transport.aclose()

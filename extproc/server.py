@@ -135,12 +135,21 @@ def _decode_target(decode: Address) -> ResolvedTarget:
     return ResolvedTarget(PrefillTarget(decode.host, decode.port, ip), ip, tls=False)
 
 
-def _decode_queue(settings: Settings, transport: PrefillClient, decode: ResolvedTarget,
+# A decode worker's metrics page: vLLM's with several ranks and many histograms runs to a few MiB.
+DECODE_METRICS_MAX_BYTES = 16 << 20
+
+
+def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget,
                   metrics: Metrics) -> DecodeQueueWatch | None:
     engine = ENGINES.get(settings.adapter)
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
-    watch = DecodeQueueWatch(transport, decode, engine.decode_queue, settings.decode_queue_limit,
+    interval = settings.decode_queue_interval
+    # Its own client: no prefill connection slot, the prefill limits or their size cap apply to it.
+    client = PrefillClient(PrefillLimits(
+        connect_timeout=interval, read_timeout=interval, deadline=interval,
+        max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)
+    watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
                              settings.decode_queue_interval,
                              on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc())
     # Read at scrape time from the watch, the reading's one owner: NaN exactly when the limit has
@@ -185,7 +194,7 @@ class ExtProcServer:
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
         decode = _decode_target(settings.decode)
-        self.decode_queue = _decode_queue(settings, self.prefill, decode, self.metrics)
+        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics)
         self.processor = PdProcessor(
             adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
