@@ -3,8 +3,9 @@
 The engine names the Prometheus gauges that count its waiting requests (``Engine.decode_queue``);
 this module polls the decode worker's metrics page every ``interval`` seconds, sums those gauges, and
 answers ``over_limit()`` from the last reading. A scrape that fails (or takes longer than the
-interval) gives no reading, and the last one stands until it is three intervals old: a slow page
-under load does not stop the limit at once. Past that the queue is "unknown", and unknown never
+interval) gives no reading, and the last one stands until it is three intervals old: one failed
+scrape does not stop the limit at once (a scrape that times out uses two of those intervals, so the one
+after it runs while the reading ages out). Past that the queue is "unknown", and unknown never
 refuses a request: the cap protects the KV lease, it must not turn a metrics outage into an outage
 of P/D.
 """
@@ -86,8 +87,7 @@ class DecodeQueueWatch:
         self._waiting, self._read_at, self._failing = waiting, self._clock(), False
 
     def _failed(self, reason: str) -> None:
-        """No reading: the last one ages out by itself (three intervals), so a single slow scrape
-        under load does not stop the limit at once."""
+        """No reading: the last one ages out by itself (three intervals after it was taken)."""
         self._on_failure(reason)
         if not self._failing:
             log.warning("decode queue scrape gave no reading; the limit refuses nothing without one",

@@ -145,7 +145,8 @@ def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTar
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
     interval = settings.decode_queue_interval
-    # Its own client: no prefill connection slot, the prefill limits or their size cap apply to it.
+    # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
+    # size cap apply to it.
     client = PrefillClient(PrefillLimits(
         connect_timeout=interval, read_timeout=interval, deadline=interval,
         max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)

@@ -36,7 +36,11 @@ from extproc.prefill_policy import PrefillPolicy, first_allowed
 from extproc.prefill_target import PrefillTarget
 from extproc.transport import Bounds, ResolvedTarget
 
-KEEPALIVE_SECONDS = 30.0  # an idle pooled connection older than this is closed, not reused
+# An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
+# (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in
+# srt/environ.py, uvicorn's default), so we do not send a request into a connection the worker is
+# closing. A POST that met such a close is never retried: the prefill may have run.
+KEEPALIVE_SECONDS = 4.0
 
 
 class Phase(Enum):
@@ -80,6 +84,10 @@ def tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext:
 _PoolKey = tuple[str, int, str | None]  # (address, port, TLS server name or None)
 
 
+def _reusable(connection: http1.Connection, now: float) -> bool:
+    return connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS
+
+
 class PrefillClient:
     """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
 
@@ -89,6 +97,7 @@ class PrefillClient:
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
         self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
+        self._swept = time.monotonic()
         self._open = True
 
     async def aclose(self) -> None:
@@ -156,7 +165,10 @@ class PrefillClient:
             if connection is None:
                 connection = await self._connect(key, tls, record)
             assert connection.transport is not None
-            connection.transport.write(request)
+            try:
+                connection.transport.write(request)
+            except (OSError, RuntimeError):  # uvloop raises RuntimeError on a transport already closed
+                raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
             try:
                 head = await connection.read_head(gap)
             except OSError as exc:  # http1's errors, a reset: nothing usable before the head
@@ -176,9 +188,11 @@ class PrefillClient:
             if record is not None:
                 record.prefill_response_bytes = len(body_read)
             if connection.reusable and self._open:
-                connection.idle_since = time.monotonic()
+                connection.idle_since = now = time.monotonic()
                 self._idle.setdefault(key, []).append(connection)
                 connection = None
+                if now - self._swept >= KEEPALIVE_SECONDS:
+                    self._sweep(now)
             return PrefillReply(200, content_type, body_read)
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
@@ -190,10 +204,26 @@ class PrefillClient:
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS:
+            if _reusable(connection, now):
                 return connection
             connection.close()
         return None
+
+    def _sweep(self, now: float) -> None:
+        """Close every idle connection that can no longer be reused, and forget workers with none left:
+        a prefill pod that went away without closing its connections must not keep them open for ever."""
+        self._swept = now
+        for key in list(self._idle):
+            kept = []
+            for connection in self._idle[key]:
+                if _reusable(connection, now):
+                    kept.append(connection)
+                else:
+                    connection.close()
+            if kept:
+                self._idle[key] = kept
+            else:
+                del self._idle[key]
 
     async def _connect(self, key: _PoolKey, tls: PrefillTls | None, record: RequestRecord | None) -> http1.Connection:
         host, port, server_name = key

@@ -34,18 +34,35 @@ class FakeTransport:
         self.paused = False
 
 
-def _exchange(pieces: Sequence[bytes], close_after: bool = False, cap: int = CAP
-              ) -> tuple[http1.Connection, http1.Head, bytes]:
-    """Deliver ``pieces`` one loop iteration apart (then EOF, if asked) and read one response."""
+class FedConnection(http1.Connection):
+    """A connection whose peer sends the next piece only when the reader waits for more bytes, so a
+    reader that needs several pieces sees each one arrive on its own (then EOF, or a reset)."""
 
-    async def run() -> tuple[http1.Connection, http1.Head, bytes]:
-        connection = http1.Connection()
-        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+    def __init__(self, pieces: Sequence[bytes], end: str | None) -> None:
+        super().__init__()
+        self.pieces = list(pieces)
+        self.end = end
+        self.waits = 0  # how often the reader waited for more bytes
+
+    async def _more(self, gap: float) -> None:
+        self.waits += 1
         loop = asyncio.get_running_loop()
-        for piece in pieces:
-            loop.call_soon(connection.data_received, piece)
-        if close_after:
-            loop.call_soon(connection.eof_received)
+        if self.pieces:
+            loop.call_soon(self.data_received, self.pieces.pop(0))
+        elif self.end == "eof":
+            loop.call_soon(self.eof_received)
+        elif self.end == "reset":
+            loop.call_soon(self.connection_lost, ConnectionResetError())
+        await super()._more(gap)
+
+
+def _exchange(pieces: Sequence[bytes], close_after: bool = False, cap: int = CAP, end: str | None = None
+              ) -> tuple[FedConnection, http1.Head, bytes]:
+    """Read one response from a peer that sends ``pieces`` one at a time (then EOF, if asked)."""
+
+    async def run() -> tuple[FedConnection, http1.Head, bytes]:
+        connection = FedConnection(pieces, "eof" if close_after else end)
+        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
         head = await connection.read_head(gap=30)
         body = await connection.read_body(head, cap, gap=30)
         return connection, head, body
@@ -79,6 +96,7 @@ def test_a_content_length_body_is_read_whole_and_the_connection_reused(split: st
     connection, head, body = _exchange([RESPONSE] if split == "whole" else _bytewise(RESPONSE))
     assert (head.status, head.get("content-type"), body) == (200, "application/json", b'{"ok":true}')
     assert connection.reusable and connection.usable
+    assert connection.waits == (1 if split == "whole" else len(RESPONSE))  # every byte arrived alone
 
 
 CHUNKED = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -90,6 +108,7 @@ def test_a_chunked_body_is_decoded_with_its_trailers_skipped(split: str) -> None
     connection, _, body = _exchange([CHUNKED] if split == "whole" else _bytewise(CHUNKED))
     assert body == b'{"a":1,"b":2}'
     assert connection.reusable
+    assert connection.waits == (1 if split == "whole" else len(CHUNKED))
 
 
 def test_interim_responses_are_skipped() -> None:
@@ -100,6 +119,28 @@ def test_interim_responses_are_skipped() -> None:
 def test_a_body_to_the_end_of_the_connection_is_read_and_the_connection_not_reused() -> None:
     connection, _, body = _exchange([b"HTTP/1.1 200 OK\r\n\r\n{}", b"[]"], close_after=True)
     assert body == b"{}[]" and not connection.reusable
+
+
+def test_a_reset_ends_a_body_framed_by_the_connection_end_as_an_error_not_a_short_body() -> None:
+    with pytest.raises(http1.ConnectionClosed):
+        _exchange([b"HTTP/1.1 200 OK\r\n\r\n{\"partial\"", b":"], end="reset")
+
+
+def test_a_large_response_read_in_one_piece_leaves_the_pooled_connection_reading() -> None:
+    """Over MAX_HEAD_BYTES in one read pauses reading while the head is read; the body was all there,
+    so nothing asked for more: a connection left paused would never see the worker close it."""
+    body = b"x" * (http1.MAX_HEAD_BYTES + 1)
+    response = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    connection, _, read = _exchange([response], cap=len(body))
+    assert read == body and connection.reusable
+    assert connection.transport is not None and not connection.transport.paused  # type: ignore[attr-defined]
+
+
+def test_a_response_framed_by_both_chunked_and_content_length_is_read_but_not_reused() -> None:
+    response = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 99\r\n\r\n"
+                b"2\r\n{}\r\n0\r\n\r\n")
+    connection, _, body = _exchange([response])
+    assert body == b"{}" and not connection.reusable
 
 
 @pytest.mark.parametrize("response,reusable", [
@@ -128,6 +169,15 @@ def test_a_body_over_the_cap_is_refused(response: bytes) -> None:
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\n{\"a\"", http1.ConnectionClosed),
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", http1.ProtocolError),
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n", http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+     http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x2\r\n{}\r\n0\r\n\r\n", http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n-0\r\n\r\n", http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1" + b"0" * (http1.MAX_LINE_BYTES + 1) + b"\r\n",
+     http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: \xb2\r\n\r\n", http1.ProtocolError),  # latin-1 "2", isdigit()
+    (b"HTTP/1.1 200 OK\r\ncontent-length: " + b"9" * 5000 + b"\r\n\r\n", http1.ProtocolError),
     (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab", http1.ProtocolError),
     (b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", http1.ProtocolError),
 ])
@@ -142,6 +192,7 @@ def test_a_broken_body_is_an_error(response: bytes, error: type[Exception]) -> N
     (b"SSH-2.0-OpenSSH\r\n\r\n", http1.ProtocolError),
     (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", http1.ProtocolError),
     (b"HTTP/1.1 200 OK\r\nx: " + b"y" * (http1.MAX_HEAD_BYTES + 1), http1.ProtocolError),
+    (b"HTTP/1.1 200 OK\r\nx: " + b"y" * (http1.MAX_HEAD_BYTES + 1) + b"\r\n\r\n", http1.ProtocolError),
 ])
 def test_a_broken_head_is_an_error(response: bytes, error: type[Exception]) -> None:
     with pytest.raises(error):

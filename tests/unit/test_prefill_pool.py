@@ -1,0 +1,186 @@
+"""extproc/upstream.py's connection pool over real loopback sockets: what is reused, what is closed.
+
+Each worker is a small asyncio server that answers every request on a connection with one canned
+response and records, per connection, how many requests it served and whether we closed it. The
+pool's clock is a fake one, so "idle for longer than the keep-alive" needs no waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from extproc import upstream
+from extproc.errors import Code, PdError
+from extproc.prefill_policy import PrefillPolicy
+from extproc.prefill_target import PrefillTarget
+from extproc.transport import ResolvedTarget
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+LIMITS = upstream.PrefillLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,
+                                max_connections=4)
+
+
+@dataclass
+class Served:
+    requests: int = 0
+    closed_by_us: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Worker:
+    port: int
+    connections: list[Served] = field(default_factory=list)
+    received: asyncio.Event = field(default_factory=asyncio.Event)  # a request head and body arrived
+
+    @property
+    def target(self) -> ResolvedTarget:
+        ip = ipaddress.ip_address("127.0.0.1")
+        return ResolvedTarget(PrefillTarget(host="127.0.0.1", port=self.port, ip=ip), ip)
+
+
+@asynccontextmanager
+async def worker(answer: bytes = OK, hold: asyncio.Event | None = None) -> AsyncIterator[Worker]:
+    """A worker answering ``answer`` to each request head (after ``hold`` is set, when given)."""
+    served = Worker(0)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        record = Served()
+        served.connections.append(record)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)  # every request body in these tests is b"{}"
+                record.requests += 1
+                served.received.set()
+                if hold is not None:
+                    await hold.wait()
+                writer.write(answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            record.closed_by_us.set()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    served.port = server.sockets[0].getsockname()[1]
+    try:
+        yield served
+    finally:
+        server.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(upstream, "time", fake)
+    return fake
+
+
+def run(test: Callable[[], object]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))  # type: ignore[arg-type]
+
+
+def client() -> upstream.PrefillClient:
+    return upstream.PrefillClient(LIMITS, PrefillPolicy((), allow_loopback=True))
+
+
+def test_a_fresh_idle_connection_is_reused_and_a_stale_one_closed(clock: Clock) -> None:
+    async def test() -> None:
+        async with worker() as prefill:
+            pool = client()
+            for _ in range(2):
+                assert (await pool.post(prefill.target, "/v1/completions", [], b"{}")).status == 200
+            assert [c.requests for c in prefill.connections] == [2]
+            clock.now += upstream.KEEPALIVE_SECONDS  # idle as long as the workers' keep-alive allows
+            await pool.post(prefill.target, "/v1/completions", [], b"{}")
+            assert [c.requests for c in prefill.connections] == [2, 1]
+            await prefill.connections[0].closed_by_us.wait()
+            await pool.aclose()
+
+    run(test)
+
+
+def test_the_sweep_closes_idle_connections_of_a_worker_no_longer_used(clock: Clock) -> None:
+    async def test() -> None:
+        async with worker() as gone, worker() as current:
+            pool = client()
+            await pool.post(gone.target, "/v1/completions", [], b"{}")
+            clock.now += upstream.KEEPALIVE_SECONDS
+            await pool.post(current.target, "/v1/completions", [], b"{}")
+            await gone.connections[0].closed_by_us.wait()  # never used again, yet closed
+            assert not current.connections[0].closed_by_us.is_set()
+            assert [key[1] for key in pool._idle] == [current.port]  # the gone worker is forgotten
+            await pool.aclose()
+
+    run(test)
+
+
+def test_a_non_200_answer_closes_its_connection() -> None:
+    async def test() -> None:
+        answer = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy"
+        async with worker(answer) as prefill:
+            pool = client()
+            assert (await pool.post(prefill.target, "/v1/completions", [], b"{}")).status == 503
+            await prefill.connections[0].closed_by_us.wait()
+            assert pool._idle == {}
+            await pool.aclose()
+
+    run(test)
+
+
+def test_a_cancelled_exchange_closes_its_connection_and_frees_its_slot() -> None:
+    async def test() -> None:
+        hold = asyncio.Event()
+        async with worker(hold=hold) as prefill:
+            pool = upstream.PrefillClient(
+                upstream.PrefillLimits(connect_timeout=5, read_timeout=5, deadline=10,
+                                       max_response_bytes=1 << 20, max_connections=1),
+                PrefillPolicy((), allow_loopback=True))
+            waiting = asyncio.create_task(pool.post(prefill.target, "/v1/completions", [], b"{}"))
+            await prefill.received.wait()  # the worker holds the request
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            hold.set()  # the worker answers, then reads on and finds the connection closed
+            await prefill.connections[0].closed_by_us.wait()
+            # The one slot is free again, and the next request gets a connection of its own.
+            assert (await pool.post(prefill.target, "/v1/completions", [], b"{}")).status == 200
+            assert [c.requests for c in prefill.connections] == [1, 1]
+            await pool.aclose()
+
+    run(test)
+
+
+def test_a_worker_that_closes_before_answering_is_unavailable() -> None:
+    async def test() -> None:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        pool = client()
+        with pytest.raises(PdError) as error:
+            await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
+        assert error.value.code is Code.PREFILL_UPSTREAM_UNAVAILABLE
+        assert pool._idle == {}
+        server.close()
+        await pool.aclose()
+
+    run(test)
