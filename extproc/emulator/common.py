@@ -1,9 +1,10 @@
-"""Helpers the SGLang and TensorRT-LLM emulators share: reading the OpenAI body, scripted
-misbehaviour (delay, hang, an error status, a dropped connection), and the KV client session."""
+"""Helpers the emulators share: reading the OpenAI body, scripted misbehaviour (delay, hang, an
+error status, a dropped connection), and the servers and client session every emulated engine runs."""
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,8 @@ import orjson
 
 from extproc.emulator import text
 from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.http import RawResponse, Reply
+from extproc.emulator.control import Control
+from extproc.emulator.http import EmulatorHttpServer, Handler, RawResponse, Reply
 from extproc.httpserver import Response
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -65,6 +67,37 @@ async def _close_at_once(writer: asyncio.StreamWriter) -> None:
 
 def client_session(timeout: float) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), trust_env=False)
+
+
+class EngineServers:
+    """What every emulated engine runs: its OpenAI API, its own side server for the KV rendezvous
+    (vLLM's side channel, SGLang's bootstrap server, TensorRT-LLM's context registry), served only by
+    the roles that hold KV, and the client session it reaches its peers with."""
+
+    def __init__(self, control: Control[Any], api: Handler, side: Handler, client_timeout: float) -> None:
+        self.api = EmulatorHttpServer(api, on_disconnect=control.disconnected)
+        self.side = EmulatorHttpServer(side)
+        self._client_timeout = client_timeout
+        self._client: aiohttp.ClientSession | None = None
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        assert self._client is not None, "the engine's servers are not started"
+        return self._client
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None,
+                    side: tuple[str, int] | None) -> tuple[int, int | None]:
+        """The API's bound port, and the side server's (None when ``side`` is None: not served)."""
+        self._client = client_session(self._client_timeout)
+        bound = await self.api.start(host, port, tls)
+        side_bound = await self.side.start(*side) if side is not None else None
+        return bound, side_bound
+
+    async def close(self) -> None:
+        await self.api.close()
+        await self.side.close()
+        if self._client is not None:
+            await self._client.close()
 
 
 def authority(host: str, port: int) -> str:

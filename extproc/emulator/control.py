@@ -19,13 +19,14 @@ import contextlib
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
 import orjson
 
 from extproc.emulator.behaviour import B, BehaviourError
+from extproc.emulator.http import Reply, StreamResponse
 from extproc.httpserver import Request, Response
 
 _INLINE_JSON_LIMIT = 2 << 20
@@ -91,6 +92,15 @@ class Control(Generic[B]):
 
     def gauge(self, name: str) -> float:
         return float(self.gauges.get(name, 0.0))
+
+    async def answer(self, request: Request, generate: Callable[[Request, Received], Awaitable[Reply]]) -> Reply:
+        """Record ``request``, let ``generate`` answer it, and note the status of an ordinary answer (a
+        raw one, written by the handler itself, notes its own outcome)."""
+        received = self.record(request)
+        reply = await generate(request, received)
+        if isinstance(reply, Response | StreamResponse):
+            self.finish(received, "answered", reply.status)
+        return reply
 
     def next_behaviour(self, received: Received | None = None) -> B:
         """The next scripted behaviour (the default one when none is queued), noted on ``received``."""

@@ -35,7 +35,7 @@ import orjson
 from extproc.emulator import common, text
 from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
-from extproc.emulator.http import EmulatorHttpServer, Reply, StreamResponse
+from extproc.emulator.http import Reply, StreamResponse
 from extproc.httpserver import Request, Response
 from extproc.settings_spec import read_token_file
 from extproc.units import parse_duration
@@ -145,9 +145,7 @@ class SglangEmulator:
         self.server_info_overrides: dict[str, Any] = {}
         self.control = Control({"engine": "sglang", "role": role, "worker_id": worker_id, "model": model,
                                 "version": SGLANG_VERSION}, SglangBehaviour)
-        self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
-        self.bootstrap = EmulatorHttpServer(self.handle_bootstrap)
-        self._client: aiohttp.ClientSession | None = None
+        self.servers = common.EngineServers(self.control, self.handle, self.handle_bootstrap, kv_timeout + 10)
 
     @staticmethod
     def add_arguments(group: Any) -> None:
@@ -182,18 +180,16 @@ class SglangEmulator:
         return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
 
     async def start(self, host: str, port: int, bootstrap_port: int, tls: ssl.SSLContext | None = None) -> int:
-        self._client = common.client_session(self.kv_timeout + 10)
-        self.port = await self.http.start(host, port, tls)
-        if self.role != "decode":
-            self.bootstrap_port = await self.bootstrap.start(self.bootstrap_host, bootstrap_port)
+        serves_kv = self.role != "decode"
+        self.port, side = await self.servers.start(host, port, tls,
+                                                   (self.bootstrap_host, bootstrap_port) if serves_kv else None)
+        if side is not None:
+            self.bootstrap_port = side
         self.control.info.update({"port": self.port, "bootstrap_port": self.bootstrap_port})
         return self.port
 
     async def close(self) -> None:
-        await self.http.close()
-        await self.bootstrap.close()
-        if self._client is not None:
-            await self._client.close()
+        await self.servers.close()
 
     @property
     def side_port(self) -> int:
@@ -231,11 +227,7 @@ class SglangEmulator:
                  "root": self.model, "max_model_len": 4096}]}))
         if request.method != "POST" or request.path not in common.GENERATION_PATHS:
             return Response(404, b'{"detail":"Not Found"}')
-        received = self.control.record(request)
-        reply = await self._generate(request, received)
-        if isinstance(reply, Response | StreamResponse):
-            self.control.finish(received, "answered", reply.status)
-        return reply
+        return await self.control.answer(request, self._generate)
 
     def server_info(self) -> dict[str, Any]:
         """The keys of /server_info a router reads (build_server_info flattens ServerArgs)."""
@@ -357,11 +349,10 @@ class SglangEmulator:
 
     async def _pull(self, host: str, port: int, room: int, prompt: str, received: Received) -> str | None:
         """None when the room's KV arrived; otherwise what went wrong, in SGLang's words."""
-        assert self._client is not None
         base = f"http://{common.authority(host, port)}"
         for _ in range(ROUTE_ATTEMPTS):
             try:
-                async with self._client.get(f"{base}/route", params={
+                async with self.servers.client.get(f"{base}/route", params={
                         "prefill_dp_rank": "-1", "prefill_cp_rank": "-1", "target_tp_rank": "-1",
                         "target_pp_rank": "-1"}) as route:
                     if route.status == 200:
@@ -374,7 +365,7 @@ class SglangEmulator:
         claim = {"room": room, "prompt_sha": hashlib.sha256(prompt.encode()).hexdigest(), "decode": self.worker_id,
                  "wait": self.kv_timeout}
         try:
-            async with self._client.post(f"{base}/_emulator/claim", data=orjson.dumps(claim)) as reply:
+            async with self.servers.client.post(f"{base}/_emulator/claim", data=orjson.dumps(claim)) as reply:
                 answer = await reply.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             return f"KV transfer from {common.authority(host, port)} failed: {type(exc).__name__}"

@@ -37,7 +37,7 @@ import orjson
 from extproc.emulator import common, text
 from extproc.emulator.behaviour import Behaviour
 from extproc.emulator.control import Control, Received
-from extproc.emulator.http import EmulatorHttpServer, RawResponse, Reply, StreamResponse
+from extproc.emulator.http import RawResponse, Reply, StreamResponse
 from extproc.httpserver import Request, Response
 from extproc.settings_spec import read_secret_file
 from extproc.units import parse_duration
@@ -155,9 +155,7 @@ class TrtllmEmulator:
         self.counters = Counters()
         self.control = Control({"engine": "trtllm", "role": role, "worker_id": worker_id, "model": model,
                                 "version": TRTLLM_VERSION}, TrtllmBehaviour)
-        self.http = EmulatorHttpServer(self.handle, on_disconnect=self.control.disconnected)
-        self.registry = EmulatorHttpServer(self.handle_registry)
-        self._client: aiohttp.ClientSession | None = None
+        self.servers = common.EngineServers(self.control, self.handle, self.handle_registry, 30.0)
 
     @staticmethod
     def add_arguments(group: Any) -> None:
@@ -198,18 +196,14 @@ class TrtllmEmulator:
         return None
 
     async def start(self, host: str, port: int, side_port: int, tls: ssl.SSLContext | None = None) -> int:
-        self._client = common.client_session(30.0)
-        bound = await self.http.start(host, port, tls)
-        if self.role != "decode":
-            self.side_port = await self.registry.start(self.side_host, side_port)
+        serves_kv = self.role != "decode"
+        bound, side = await self.servers.start(host, port, tls, (self.side_host, side_port) if serves_kv else None)
+        self.side_port = side or 0
         self.control.info.update({"port": bound, "ctx_info_endpoint": self.ctx_info_endpoint})
         return bound
 
     async def close(self) -> None:
-        await self.http.close()
-        await self.registry.close()
-        if self._client is not None:
-            await self._client.close()
+        await self.servers.close()
 
     @property
     def ctx_info_endpoint(self) -> str | None:
@@ -235,11 +229,7 @@ class TrtllmEmulator:
                 {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "tensorrt_llm"}]}))
         if request.method != "POST" or request.path not in common.GENERATION_PATHS:
             return Response(404, b'{"detail":"Not Found"}')
-        received = self.control.record(request)
-        reply = await self._generate(request, received)
-        if isinstance(reply, Response | StreamResponse):
-            self.control.finish(received, "answered", reply.status)
-        return reply
+        return await self.control.answer(request, self._generate)
 
     async def _generate(self, request: Request, received: Received) -> Reply:
         behaviour = self.control.next_behaviour(received)
@@ -339,9 +329,8 @@ class TrtllmEmulator:
         claim = {key: params.get(key) for key in ("ctx_request_id", "disagg_request_id", "encoded_opaque_state",
                                                   "first_gen_tokens")}
         claim.update(prompt_token_ids=prompt_ids, generation_worker=self.worker_id)
-        assert self._client is not None
         try:
-            async with self._client.post(f"{endpoint}/kv/pull", data=orjson.dumps(claim)) as reply:
+            async with self.servers.client.post(f"{endpoint}/kv/pull", data=orjson.dumps(claim)) as reply:
                 answer = await reply.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             return f"cache transceiver could not reach the context worker: {type(exc).__name__}"
