@@ -21,7 +21,7 @@ from extproc.adapters.base import DecodeWith, Engine, Flow, Options, PlanInput, 
 from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.emulator import text
 from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control
+from extproc.emulator.control import Control, Received
 from extproc.emulator.http import EmulatorHttpServer, Reply
 from extproc.errors import Problem
 from extproc.fields import ReservedField, handoff_error, non_empty_str, set_members
@@ -91,20 +91,19 @@ class ToyEmulator:
             return control
         if request.path == "/health":
             return Response(200, b"")
-        received = self.control.record(request)
+        return await self.control.answer(request, self._generate)
+
+    async def _generate(self, request: Request, received: Received) -> Reply:
         body = orjson.loads(request.body)
         if self.role == "prefill":
-            answer = Response(200, orjson.dumps({"id": "toy", KEY: prompt_digest(body)}))
-        elif body.get(KEY) != prompt_digest(body):
-            answer = Response(400, b'{"error": "no handoff for this prompt"}')
-        else:
-            received.notes["handoff"] = "ok"
-            answer = Response(200, orjson.dumps({"id": "toy", "object": "chat.completion", "created": int(time.time()),
-                                                 "choices": [{"index": 0, "message": {
-                                                     "role": "assistant", "content": body.get("toy_greeting")},
-                                                     "finish_reason": "stop"}]}))
-        self.control.finish(received, "answered", answer.status)
-        return answer
+            return Response(200, orjson.dumps({"id": "toy", KEY: prompt_digest(body)}))
+        if body.get(KEY) != prompt_digest(body):
+            return Response(400, b'{"error": "no handoff for this prompt"}')
+        received.notes["handoff"] = "ok"
+        return Response(200, orjson.dumps({"id": "toy", "object": "chat.completion", "created": int(time.time()),
+                                           "choices": [{"index": 0, "message": {
+                                               "role": "assistant", "content": body.get("toy_greeting")},
+                                               "finish_reason": "stop"}]}))
 
 
 ENGINE = Engine(
