@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -93,8 +94,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def run(test: Callable[[], object]) -> None:
-    asyncio.run(asyncio.wait_for(test(), 30))  # type: ignore[arg-type]
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))
 
 
 def client() -> upstream.PrefillClient:
