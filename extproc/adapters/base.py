@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-from extproc.fields import ReservedField
-from extproc.openai_request import ClientRequest
-from extproc.prefill_target import PrefillTarget
+from extproc.core.fields import ReservedField
+from extproc.core.openai_request import ClientRequest
+from extproc.core.prefill_target import PrefillTarget
 from extproc.settings_spec import SettingSpec
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import PrefillReply
+from extproc.core import jsonspan
 from extproc.errors import Code, PdError
 
 _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")

@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import (
     AnswerDirectly,
     Decision,
@@ -50,8 +49,8 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.errors import Problem
-from extproc.fields import (
+from extproc.core import jsonspan
+from extproc.core.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -63,7 +62,8 @@ from extproc.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.openai_request import ClientRequest, Endpoint
+from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, read_secret_file
 
 # Builds before TensorRT-LLM PR #16002 (no request authentication) and builds with it.
@@ -290,7 +290,7 @@ ENGINE = Engine(
     # tensorrt_llm/metrics/collector.py: trtllm_num_requests_waiting, served on /prometheus/metrics when
     # the worker runs with return_perf_metrics.
     decode_queue=QueueGauges("/prometheus/metrics", ("trtllm_num_requests_waiting",)),
-    emulator="extproc.emulator.trtllm:TrtllmEmulator",
+    emulator="pd_extproc_lab.emulator.trtllm:TrtllmEmulator",
     settings=(SettingSpec(AUTH_KEY_SETTING, existing_file,
                           "trtllm adapter, signing pins: file holding the workers' internal_request_auth_key "
                           "(the key itself is never logged or shown)", default=""),),

@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import (
     DecodeWith,
     Engine,
@@ -29,7 +28,8 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.fields import (
+from extproc.core import jsonspan
+from extproc.core.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -40,7 +40,7 @@ from extproc.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.openai_request import ClientRequest, Endpoint
+from extproc.core.openai_request import ClientRequest, Endpoint
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
 PROTOCOL_0_33 = "vllm-0.33-nixl-pull"
@@ -162,6 +162,6 @@ ENGINE = Engine(
     name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
     # vllm/v1/metrics/loggers.py, PrometheusStatLogger: "Number of requests waiting to be processed."
     decode_queue=QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
-    emulator="extproc.emulator.vllm:VllmEmulator",
+    emulator="pd_extproc_lab.emulator.vllm:VllmEmulator",
     summary="vLLM 0.32/0.33, NixlConnector (pull): prefill, validate kv_transfer_params, then decode",
 )

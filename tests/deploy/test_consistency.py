@@ -14,7 +14,7 @@ import pytest
 
 from deploy import render_manifests as rm
 from extproc.config import Settings
-from extproc.prefill_policy import PrefillPolicy
+from extproc.core.prefill_policy import PrefillPolicy
 from tests.deploy.conftest import Manifests
 
 pytestmark = pytest.mark.deploy

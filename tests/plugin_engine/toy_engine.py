@@ -16,18 +16,18 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import DecodeWith, Engine, Flow, Options, PlanInput, PrefillReply, SequentialAdapter
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.emulator import text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control, Received
-from extproc.emulator.http import EmulatorHttpServer, Reply
+from extproc.core import jsonspan
+from extproc.core.fields import ReservedField, handoff_error, non_empty_str, set_members
+from extproc.core.openai_request import ClientRequest
 from extproc.errors import Problem
-from extproc.fields import ReservedField, handoff_error, non_empty_str, set_members
-from extproc.httpserver import Request, Response
-from extproc.openai_request import ClientRequest
+from extproc.observability.httpserver import Request, Response
 from extproc.settings_spec import SettingSpec, text_value
+from pd_extproc_lab.emulator import text
+from pd_extproc_lab.emulator.behaviour import Behaviour
+from pd_extproc_lab.emulator.control import Control, Received
+from pd_extproc_lab.emulator.http import EmulatorHttpServer, Reply
 
 KEY = "toy_handoff"
 

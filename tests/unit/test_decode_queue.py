@@ -6,10 +6,10 @@ import asyncio
 import ipaddress
 
 from extproc.adapters.base import PrefillReply, QueueGauges
-from extproc.decode_queue import DecodeQueueWatch, waiting_from
+from extproc.core.prefill_target import PrefillTarget
 from extproc.errors import Code, PdError
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import ResolvedTarget
+from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
+from extproc.upstream.transport import ResolvedTarget
 from tests.unit.test_processor import FakeTransport
 
 DECODE = ResolvedTarget(PrefillTarget("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),

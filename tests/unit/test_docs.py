@@ -6,8 +6,8 @@ import json
 import re
 
 from extproc.config import SPECS
-from extproc.envoy_config import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT
-from extproc.metrics import NOT_ERROR_OUTCOMES, Metrics
+from extproc.envoy.bootstrap import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT
+from extproc.observability.metrics import NOT_ERROR_OUTCOMES, Metrics
 from tests.harness import REPO
 
 README = (REPO / "README.md").read_text()

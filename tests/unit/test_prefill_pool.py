@@ -1,4 +1,4 @@
-"""extproc/upstream.py's connection pool over real loopback sockets: what is reused, what is closed.
+"""extproc/upstream/client.py's connection pool over real loopback sockets: what is reused, what is closed.
 
 Each worker is a small asyncio server that answers every request on a connection with one canned
 response and records, per connection, how many requests it served and whether we closed it. The
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from extproc import upstream
+from extproc.core.prefill_policy import PrefillPolicy
+from extproc.core.prefill_target import PrefillTarget
 from extproc.errors import Code, PdError
-from extproc.prefill_policy import PrefillPolicy
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import ResolvedTarget
+from extproc.upstream import client as upstream
+from extproc.upstream.transport import ResolvedTarget
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 LIMITS = upstream.PrefillLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,

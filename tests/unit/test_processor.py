@@ -15,19 +15,18 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_messages as msg
-from extproc import http1
 from extproc.adapters.base import Adapter, PrefillReply
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.admission import Admission
-from extproc.background import BackgroundPrefills
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefills
+from extproc.core.prefill_target import PrefillTarget
+from extproc.core.processor import PdProcessor, Pending
+from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
-from extproc.metrics import Metrics, RequestRecord
-from extproc.prefill_target import PrefillTarget
-from extproc.processor import PdProcessor, Pending
-from extproc.transport import Bounds, ResolvedTarget
-from extproc.upstream import Phase, classify
+from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.upstream.client import Phase, classify, http1
+from extproc.upstream.transport import Bounds, ResolvedTarget
 
 PREFILL = "10.0.0.7:8000"
 DECODE = ResolvedTarget(PrefillTarget("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),

@@ -13,10 +13,10 @@ from extproc.adapters import ENGINES, adapter_flow, build_adapter
 from extproc.adapters.base import Flow, PlanInput, PrefillReply
 from extproc.adapters.sglang import PROTOCOL_0_5_23, ROOM_LIMIT, SglangAdapter, rid_from_nonce, room_from_nonce
 from extproc.config import ConfigError, load_settings
-from extproc.envoy_config import decode_idle_timeout
+from extproc.core.fields import refuse_reserved
+from extproc.core.prefill_target import parse_prefill_target
+from extproc.envoy.bootstrap import decode_idle_timeout
 from extproc.errors import Code, PdError
-from extproc.fields import refuse_reserved
-from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
 from tests.helpers import client_request
 

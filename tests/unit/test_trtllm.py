@@ -24,9 +24,9 @@ from extproc.adapters.trtllm import (
     signature,
 )
 from extproc.config import ConfigError, load_settings
+from extproc.core.fields import refuse_reserved
+from extproc.core.prefill_target import parse_prefill_target
 from extproc.errors import Code, PdError
-from extproc.fields import refuse_reserved
-from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
 from tests.helpers import client_request
 

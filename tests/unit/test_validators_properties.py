@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from extproc.adapters.base import PrefillReply
 from extproc.adapters.vllm_nixl import PROTOCOLS, RULES, VllmNixlAdapter, handoff_from_reply, validate_handoff
+from extproc.core.fields import refuse_reserved
+from extproc.core.openai_request import ClientRequest, parse_client_request
+from extproc.core.prefill_target import PrefillTarget, parse_prefill_target
 from extproc.errors import SPEC, Code, PdError, error_body
-from extproc.fields import refuse_reserved
-from extproc.openai_request import ClientRequest, parse_client_request
-from extproc.prefill_target import PrefillTarget, parse_prefill_target
 
 MARKER = "zqmarker"
 json_leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from extproc import jsonspan
+from extproc.core import jsonspan
 from extproc.errors import Code, PdError, Problem
 
 Check = Callable[[object], bool]

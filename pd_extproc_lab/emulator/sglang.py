@@ -32,13 +32,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.emulator import common, text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control, Received
-from extproc.emulator.http import Reply, StreamResponse
-from extproc.httpserver import Request, Response
+from extproc.observability.httpserver import Request, Response
 from extproc.settings_spec import read_token_file
 from extproc.units import parse_duration
+from pd_extproc_lab.emulator import common, text
+from pd_extproc_lab.emulator.behaviour import Behaviour
+from pd_extproc_lab.emulator.control import Control, Received
+from pd_extproc_lab.emulator.http import Reply, StreamResponse
 
 SGLANG_VERSION = "0.5.23"
 DEFAULT_BOOTSTRAP_PORT = 8998

@@ -17,10 +17,10 @@ import yaml
 from extproc.adapters import ENGINES, adapter_flow
 from extproc.adapters.base import Flow
 from extproc.config import Settings
-from extproc.envoy_messages import METADATA_NAMESPACE
+from extproc.core.headers import PICKER_HEADERS
+from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.envoy.messages import METADATA_NAMESPACE
 from extproc.errors import SPEC, Code
-from extproc.headers import PICKER_HEADERS
-from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.units import Address, format_duration
 
 EXT_PROC_CLUSTER = "pd_extproc"

@@ -11,7 +11,7 @@ A non-200 status is returned without reading its body: it is never relayed (the 
 closed, not reused). The exception -> code table is ``classify`` (pure; unit-tested row by row).
 
 A host name is resolved here, once per request, and we connect to the address that was checked, so
-a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/http1.py on
+a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/upstream/http1.py on
 an asyncio Protocol, with a keep-alive pool per (address, port, TLS name): no proxies, no redirects,
 no decompression, no cookies. It replaced aiohttp, which replaced httpx; each was measured on the same
 worker (README, "Design notes").
@@ -28,13 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from extproc import http1
 from extproc.adapters.base import PrefillReply
+from extproc.core.prefill_policy import PrefillPolicy, first_allowed
+from extproc.core.prefill_target import PrefillTarget
 from extproc.errors import Code, PdError
-from extproc.metrics import RequestRecord
-from extproc.prefill_policy import PrefillPolicy, first_allowed
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import Bounds, ResolvedTarget
+from extproc.observability.metrics import RequestRecord
+from extproc.upstream import http1
+from extproc.upstream.transport import Bounds, ResolvedTarget
 
 # An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
 # (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in

@@ -1,6 +1,6 @@
 """The seam under the processor: everything it asks of the network, as one small protocol.
 
-``upstream.PrefillClient`` is the real one (extproc/http1.py); tests use an in-memory fake. A transport raises
+``upstream.PrefillClient`` is the real one (extproc/upstream/http1.py); tests use an in-memory fake. A transport raises
 only PdError (classified once, in the transport); any other exception is a bug.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from extproc.adapters.base import PrefillReply
-from extproc.metrics import RequestRecord
-from extproc.prefill_policy import IPAddress
-from extproc.prefill_target import PrefillTarget
+from extproc.core.prefill_policy import IPAddress
+from extproc.core.prefill_target import PrefillTarget
+from extproc.observability.metrics import RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from extproc import ready
-from extproc.process import Child
-from extproc.prom_text import sample_values
+from extproc.upstream.prom_text import sample_values
+from pd_extproc_lab.process import Child
 
 
 @dataclass(frozen=True, slots=True)

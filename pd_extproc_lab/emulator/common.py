@@ -11,11 +11,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.emulator import text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control
-from extproc.emulator.http import EmulatorHttpServer, Handler, RawResponse, Reply
-from extproc.httpserver import Response
+from extproc.observability.httpserver import Response
+from pd_extproc_lab.emulator import text
+from pd_extproc_lab.emulator.behaviour import Behaviour
+from pd_extproc_lab.emulator.control import Control
+from pd_extproc_lab.emulator.http import EmulatorHttpServer, Handler, RawResponse, Reply
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 WORKER_HEADER = "x-emulator-worker"

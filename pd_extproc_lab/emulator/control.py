@@ -25,9 +25,9 @@ from typing import Any, Generic
 
 import orjson
 
-from extproc.emulator.behaviour import B, BehaviourError
-from extproc.emulator.http import Reply, StreamResponse
-from extproc.httpserver import Request, Response
+from extproc.observability.httpserver import Request, Response
+from pd_extproc_lab.emulator.behaviour import B, BehaviourError
+from pd_extproc_lab.emulator.http import Reply, StreamResponse
 
 _INLINE_JSON_LIMIT = 2 << 20
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_messages as msg
 from extproc.adapters.base import (
     Adapter,
     AnswerDirectly,
@@ -36,20 +35,21 @@ from extproc.adapters.base import (
     PrefillReply,
     SequentialAdapter,
 )
-from extproc.admission import Admission
-from extproc.background import BackgroundPrefill, BackgroundPrefills, Task
-from extproc.decode_queue import DecodeQueueWatch
-from extproc.discovery import ServerInfoCache
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
+from extproc.core.fields import refuse_reserved
+from extproc.core.headers import prefill_headers
+from extproc.core.openai_request import ClientRequest, parse_client_request
+from extproc.core.prefill_target import HEADER, PrefillTarget, parse_prefill_target
+from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
-from extproc.fields import refuse_reserved
-from extproc.headers import prefill_headers
-from extproc.metrics import Metrics, RequestRecord
-from extproc.openai_request import ClientRequest, parse_client_request
-from extproc.prefill_target import HEADER, PrefillTarget, parse_prefill_target
-from extproc.transport import Bounds, ResolvedTarget, Transport
+from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.discovery import ServerInfoCache
+from extproc.upstream.transport import Bounds, ResolvedTarget, Transport
 
 if TYPE_CHECKING:
-    from extproc.tracing import Tracing
+    from extproc.observability.tracing import Tracing
 
 log = logging.getLogger("extproc.request")
 

@@ -17,7 +17,7 @@ SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill", "prefill_fallback"})
 NOT_ERROR_OUTCOMES = SERVED_OUTCOMES | {"cancelled"}
 
 if TYPE_CHECKING:
-    from extproc.tracing import RequestTrace
+    from extproc.observability.tracing import RequestTrace
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)

@@ -12,9 +12,9 @@ from typing import Any
 
 import orjson
 
-from extproc import jsonspan
+from extproc.core import jsonspan
+from extproc.core.fields import is_int
 from extproc.errors import Code, PdError
-from extproc.fields import is_int
 
 
 class Endpoint(StrEnum):

@@ -34,13 +34,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.emulator import common, text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control, Received
-from extproc.emulator.http import RawResponse, Reply, StreamResponse
-from extproc.httpserver import Request, Response
+from extproc.observability.httpserver import Request, Response
 from extproc.settings_spec import read_secret_file
 from extproc.units import parse_duration
+from pd_extproc_lab.emulator import common, text
+from pd_extproc_lab.emulator.behaviour import Behaviour
+from pd_extproc_lab.emulator.control import Control, Received
+from pd_extproc_lab.emulator.http import RawResponse, Reply, StreamResponse
 
 TRTLLM_VERSION = "1.3.0"
 DEFAULT_MAX_TOKENS = 16

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import h11
 
-from extproc.httpserver import HttpServer, Request, Response, write_response
+from extproc.observability.httpserver import HttpServer, Request, Response, write_response
 
 
 @dataclass(slots=True)

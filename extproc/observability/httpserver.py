@@ -1,7 +1,7 @@
 """A small asyncio HTTP/1.1 server on h11, for our /metrics, /healthz and /readyz.
 
 Requests in, one complete response each out, keep-alive. The emulated engines extend it
-(extproc/emulator/http.py) with streaming, disconnect detection and deliberate misbehaviour; none of
+(pd_extproc_lab/emulator/http.py) with streaming, disconnect detection and deliberate misbehaviour; none of
 that is here.
 """
 

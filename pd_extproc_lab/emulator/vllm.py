@@ -27,12 +27,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.emulator import common, text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control, Received
-from extproc.emulator.http import RawResponse, Reply, StreamResponse
-from extproc.httpserver import Request, Response
+from extproc.observability.httpserver import Request, Response
 from extproc.units import parse_duration
+from pd_extproc_lab.emulator import common, text
+from pd_extproc_lab.emulator.behaviour import Behaviour
+from pd_extproc_lab.emulator.control import Control, Received
+from pd_extproc_lab.emulator.http import RawResponse, Reply, StreamResponse
 
 VLLM_VERSION = "0.32.0"
 FINGERPRINT = f"vllm-{VLLM_VERSION}-emulated"

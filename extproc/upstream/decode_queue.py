@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 from extproc.adapters.base import QueueGauges
 from extproc.errors import PdError
-from extproc.prom_text import sample_values
-from extproc.transport import ResolvedTarget, Transport
+from extproc.upstream.prom_text import sample_values
+from extproc.upstream.transport import ResolvedTarget, Transport
 
 log = logging.getLogger("extproc.decode_queue")
 STALE_AFTER_INTERVALS = 3

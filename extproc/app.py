@@ -1,8 +1,6 @@
-"""The I/O shell: the ext_proc stream loop, gRPC health, the metrics/health HTTP endpoint, and drain.
-
-Only this module reads from and writes to the gRPC stream. A client that goes away makes Envoy reset
-the stream; grpc.aio then cancels the handler task, and the prefill call awaited inside it is
-cancelled with it, so decode is never dispatched.
+"""The application: the one place the object graph is built from Settings (adapter, prefill client,
+admission, metrics, tracing, decode-queue watch, processor, gRPC and HTTP servers), gRPC health, the
+metrics/health HTTP endpoint, drain and signals. The stream loop itself is extproc/envoy/stream.py.
 """
 
 from __future__ import annotations
@@ -13,101 +11,37 @@ import logging
 import signal
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from math import nan
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from extproc import envoy_messages as msg
 from extproc.adapters import ENGINES, build_adapter
-from extproc.admission import Admission
-from extproc.background import BackgroundPrefill, BackgroundPrefills
 from extproc.config import ConfigError, Settings
-from extproc.decode_queue import DecodeQueueWatch
-from extproc.errors import Code
-from extproc.httpserver import HttpServer, Request, Response
-from extproc.metrics import Metrics
-from extproc.prefill_policy import PrefillPolicy
-from extproc.prefill_target import PrefillTarget
-from extproc.processor import PdProcessor, Pending
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefills
+from extproc.core.prefill_policy import PrefillPolicy
+from extproc.core.prefill_target import PrefillTarget
+from extproc.core.processor import PdProcessor
+from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
+from extproc.observability.httpserver import HttpServer, Request, Response
+from extproc.observability.metrics import Metrics
 from extproc.settings_spec import SecretFileError
-from extproc.transport import ResolvedTarget
 from extproc.units import Address
-from extproc.upstream import PrefillClient, PrefillLimits, PrefillTls, tls_context
+from extproc.upstream.client import PrefillClient, PrefillLimits, PrefillTls, tls_context
+from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.transport import ResolvedTarget
 
 if TYPE_CHECKING:
-    from extproc.tracing import Tracing
+    from extproc.observability.tracing import Tracing
 
 log = logging.getLogger("extproc.server")
-EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Seconds NOT_SERVING is visible before the listener closes (Envoy ejects after 2 checks, 1 s apart).
 HEALTH_NOTICE = 2.5
-
-
-@dataclass(slots=True)
-class _Stream:
-    """One ext_proc stream's state, owned by its Process call."""
-
-    head: msg.RequestHead | None = None
-    pending: Pending | None = None
-    background: BackgroundPrefill | None = None  # a concurrent engine's prefill, still running
-    decode_answered: bool = False
-
-
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, processor: PdProcessor) -> None:
-        self._processor = processor
-
-    async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = _Stream()
-        try:
-            async for request in request_iterator:
-                response, done = await self._step(stream, request)
-                yield response
-                if done:
-                    return
-        finally:
-            # Envoy ended the stream (normally, or with a reset) before decode's response headers: the
-            # client is gone, and nobody will use the KV of a concurrent prefill that still runs.
-            if stream.background is not None and not stream.decode_answered:
-                stream.background.task.cancel()
-
-    async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, bool]:
-        """The reply to one message, and whether the stream is done."""
-        kind = request.WhichOneof("request")
-        if kind == "request_headers":
-            stream.head = msg.head_from_headers(request.request_headers)
-            outcome = await self._processor.on_headers(stream.head)
-            if isinstance(outcome, pb.ProcessingResponse):
-                return outcome, True
-            stream.pending = outcome
-            if request.request_headers.end_of_stream:  # a P/D POST without a body
-                return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
-            return msg.continue_headers(), False
-        if kind == "request_body":
-            if stream.head is None or stream.pending is None:
-                log.error("request body arrived before its headers: check the Envoy processing mode")
-                return msg.error_reply(Code.INTERNAL_ERROR, 500), True
-            body = await self._processor.on_body(stream.head, stream.pending, request.request_body.body)
-            stream.background = body.background
-            return body.response, False
-        if kind == "response_headers" and stream.background is not None:
-            stream.decode_answered = True
-            status = msg.response_status(request.response_headers)
-            return await self._processor.on_decode_answer(stream.background, status), False
-        # Not configured to arrive; answer so Envoy does not treat the stream as broken.
-        response = pb.ProcessingResponse()
-        if kind is not None:
-            getattr(response, kind).SetInParent()
-        return response, False
 
 
 def _prefill_tls(settings: Settings) -> PrefillTls | None:
@@ -163,7 +97,7 @@ def _tracing(settings: Settings) -> Tracing | None:
     if settings.tracing == "off":
         return None
     try:
-        from extproc.tracing import Tracing
+        from extproc.observability.tracing import Tracing
     except ImportError:
         raise ConfigError("PD_EXTPROC_TRACING=otlp needs the otel extra: pip install 'pd-extproc[otel]'") from None
     return Tracing(settings.otlp_endpoint)

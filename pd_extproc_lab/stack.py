@@ -11,13 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extproc import envoy_runner, ready
+from extproc import ready
 from extproc.config import SPECS, Settings, load_settings
-from extproc.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
-from extproc.envoy_config import render_yaml
-from extproc.process import Child, EnvoyProcess, python_child
+from extproc.envoy import runner as envoy_runner
+from extproc.envoy.bootstrap import render_yaml
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import parse_address
+from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
+from pd_extproc_lab.process import Child, EnvoyProcess, python_child
 
 SERVER_NAME = "pd-extproc-serve"
 ENVOY_NAME = "envoy"
