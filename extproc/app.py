@@ -20,21 +20,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from extproc.adapters import ENGINES, build_adapter
+from extproc.adapters import build_adapter, engines
 from extproc.config import ConfigError, Settings
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefills
 from extproc.core.prefill_policy import PrefillPolicy
-from extproc.core.prefill_target import PrefillTarget
 from extproc.core.processor import PdProcessor
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
 from extproc.observability.httpserver import HttpServer, Request, Response
 from extproc.observability.metrics import Metrics
 from extproc.settings_spec import SecretFileError
 from extproc.units import Address
-from extproc.upstream.client import PrefillClient, PrefillLimits, PrefillTls, tls_context
+from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
 from extproc.upstream.decode_queue import DecodeQueueWatch
-from extproc.upstream.transport import ResolvedTarget
+from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import Tracing
@@ -44,14 +43,14 @@ log = logging.getLogger("extproc.server")
 HEALTH_NOTICE = 2.5
 
 
-def _prefill_tls(settings: Settings) -> PrefillTls | None:
+def _prefill_tls(settings: Settings) -> WorkerTls | None:
     if not settings.prefill_tls:
         return None
     try:
         context = tls_context(settings.prefill_ca_file, settings.prefill_cert_file, settings.prefill_key_file)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"prefill TLS files cannot be loaded: {exc}") from None
-    return PrefillTls(context, settings.prefill_server_name)
+    return WorkerTls(context, settings.prefill_server_name)
 
 
 def _decode_target(decode: Address) -> ResolvedTarget:
@@ -66,7 +65,7 @@ def _decode_target(decode: Address) -> ResolvedTarget:
         except OSError as exc:
             raise ConfigError(f"the decode worker's name {decode.host} does not resolve: {exc}") from None
         ip = ipaddress.ip_address(str(infos[0][4][0]).split("%", 1)[0])
-    return ResolvedTarget(PrefillTarget(decode.host, decode.port, ip), ip, tls=False)
+    return ResolvedTarget(WorkerAddress(decode.host, decode.port, ip), ip, tls=False)
 
 
 # A decode worker's metrics page: vLLM's with several ranks and many histograms runs to a few MiB.
@@ -75,13 +74,13 @@ DECODE_METRICS_MAX_BYTES = 16 << 20
 
 def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget,
                   metrics: Metrics) -> DecodeQueueWatch | None:
-    engine = ENGINES.get(settings.adapter)
+    engine = engines().get(settings.adapter)
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
     interval = settings.decode_queue_interval
     # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
     # size cap apply to it.
-    client = PrefillClient(PrefillLimits(
+    client = WorkerClient(WorkerLimits(
         connect_timeout=interval, read_timeout=interval, deadline=interval,
         max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)
     watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
@@ -115,7 +114,7 @@ class ExtProcServer:
         self.metrics = Metrics()
         self.admission = Admission(limit=settings.max_inflight)
         self.policy = PrefillPolicy(settings.prefill_allow, allow_loopback=settings.demo)
-        self.prefill = PrefillClient(PrefillLimits(
+        self.prefill = WorkerClient(WorkerLimits(
             connect_timeout=settings.prefill_connect_timeout,
             read_timeout=settings.prefill_read_timeout,
             deadline=settings.prefill_deadline,

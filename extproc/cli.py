@@ -1,4 +1,8 @@
-"""pd-extproc serve | envoy-config | envoy | up | emulate."""
+"""pd-extproc serve | envoy-config | envoy | up | emulate.
+
+``serve``, ``envoy-config`` and ``envoy`` are the product; ``up`` (the demo stack) and ``emulate`` (an
+emulated engine) are the lab's (pd_extproc_lab), imported only when one of them runs.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +23,11 @@ from typing import Any
 import uvloop
 
 from extproc import ready
-from extproc.adapters import BY_ENGINE
-from extproc.config import SPECS, ConfigError, Settings, add_arguments, load_settings
+from extproc.adapters import EngineLoadError, by_engine, engines
+from extproc.config import ConfigError, Settings, add_arguments, load_settings, specs
 from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
-from pd_extproc_lab.emulator import ROLES
 
 log = logging.getLogger("extproc.cli")
 EXIT_CONFIG = 2
@@ -32,7 +35,7 @@ EXIT_RUNTIME = 1
 
 
 def _settings(args: argparse.Namespace, environ: Mapping[str, str], consistent: bool = True) -> Settings:
-    flags = {spec.name: getattr(args, spec.name, None) for spec in SPECS}
+    flags = {spec.name: getattr(args, spec.name, None) for spec in specs()}
     return load_settings(environ, flags, consistent)
 
 
@@ -146,12 +149,11 @@ def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 def _demo_workers(settings: Settings, workdir: Path) -> tuple[list[Any], dict[str, str]]:
     """With --demo: the configured engine's emulated prefill and decode workers, and the settings the
     engine's demo needs (e.g. a shared key both sides read)."""
-    from extproc.adapters import ENGINES
     from pd_extproc_lab.emulator.worker import WorkerSpec
 
     if not settings.demo:
         return [], {}
-    engine = ENGINES.get(settings.adapter, ENGINES["vllm_nixl"])
+    engine = engines().get(settings.adapter, engines()["vllm_nixl"])
     env: dict[str, str] = dict(engine.demo.env)
     args: tuple[str, ...] = ()
     if engine.demo.key_setting:
@@ -193,11 +195,18 @@ def _print_ready(running: Any, workdir: Path) -> None:
     sys.stdout.flush()
 
 
+def _engines_epilog() -> str:
+    """The registered engines (plugins included) with their one-line summaries, for --help."""
+    lines = [f"  {name}: {engine.summary or engine.engine}" for name, engine in engines().items()]
+    return "engines (PD_EXTPROC_ADAPTER):\n" + "\n".join(lines) + "\n  none: the kill switch (P/D answered 501)"
+
+
 def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``emulator_engine``, ``emulate`` also has that engine's emulator options."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
+    serve = commands.add_parser("serve", help="run the ext_proc gRPC server", epilog=_engines_epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(serve)
     serve.set_defaults(run=cmd_serve)
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
@@ -212,23 +221,11 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     add_arguments(up)
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
-    emulate.add_argument("--engine", choices=tuple(BY_ENGINE), default="vllm",
-                         help="the inference engine whose worker to emulate")
-    emulate.add_argument("--role", choices=ROLES, required=True)
-    emulate.add_argument("--listen", default="127.0.0.1:0", help="HTTP host:port (port 0 = any free port)")
-    emulate.add_argument("--side-channel", default="127.0.0.1:0",
-                         help="KV side channel host:port: vLLM's NIXL side channel, SGLang's bootstrap server, "
-                              "TensorRT-LLM's KV registry (prefill roles)")
-    emulate.add_argument("--model", default="emulated")
-    emulate.add_argument("--worker-id", default="")
-    emulate.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
-    emulate.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
-    emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     emulate.set_defaults(run=cmd_emulate)
-    if emulator_engine is not None:
-        from pd_extproc_lab.emulator import add_engine_arguments
+    if emulator_engine is not None:  # only when `emulate` is the command: its options are the lab's
+        from pd_extproc_lab.emulator import add_arguments as add_emulator_arguments
 
-        add_engine_arguments(emulate, emulator_engine)
+        add_emulator_arguments(emulate, tuple(by_engine()), emulator_engine)
     return parser
 
 
@@ -240,14 +237,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--engine", default="vllm")
         engine = first.parse_known_args(argv[1:])[0].engine
-    return build_parser(engine if engine in BY_ENGINE else None).parse_args(argv)
+        if engine not in by_engine():
+            engine = "vllm"  # argparse then refuses the --engine value with the choices
+    return build_parser(engine).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = _parse(argv)
     try:
+        args = _parse(argv)
         return int(args.run(args, os.environ if environ is None else environ))
-    except ConfigError as exc:
+    except (ConfigError, EngineLoadError) as exc:
         sys.stderr.write(f"pd-extproc: {exc}\n")
         return EXIT_CONFIG
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from extproc import ready
-from extproc.config import SPECS, Settings, load_settings
+from extproc.config import Settings, load_settings, specs
 from extproc.envoy import runner as envoy_runner
 from extproc.envoy.bootstrap import render_yaml
 from extproc.settings_spec import ENV_PREFIX
@@ -26,7 +26,7 @@ ENVOY_NAME = "envoy"
 
 def settings_env(settings: Settings) -> dict[str, str]:
     """Settings as PD_EXTPROC_* variables (a child reads them back with load_settings)."""
-    return {spec.env: spec.show(settings.value(spec.name)) for spec in SPECS}
+    return {spec.env: spec.show(settings.value(spec.name)) for spec in specs()}
 
 
 def without_settings(environ: Mapping[str, str]) -> dict[str, str]:

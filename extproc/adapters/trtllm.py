@@ -44,7 +44,6 @@ from extproc.adapters.base import (
     Flow,
     Options,
     PlanInput,
-    PrefillReply,
     QueueGauges,
     SequentialAdapter,
 )
@@ -65,6 +64,7 @@ from extproc.core.fields import (
 from extproc.core.openai_request import ClientRequest, Endpoint
 from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, read_secret_file
+from extproc.upstream.transport import WorkerReply
 
 # Builds before TensorRT-LLM PR #16002 (no request authentication) and builds with it.
 PROTOCOL_RC23 = "trtllm-1.3.0rc23-context-first"
@@ -146,7 +146,7 @@ class ContextResult:
     finished: bool
 
 
-def read_context_reply(reply: PrefillReply) -> ContextResult:
+def read_context_reply(reply: WorkerReply) -> ContextResult:
     """Parse and check the context worker's answer (_verify_ctx_response plus field types)."""
     parsed, spans = parse_prefill_object(reply)
     choices = parsed.get("choices")
@@ -252,7 +252,7 @@ class TrtllmAdapter(SequentialAdapter):
     def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
         return context_body(request, plan.nonce)
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> Decision:
         context = read_context_reply(reply)
         if context.finished:
             return direct_answer(request, context)

@@ -23,7 +23,6 @@ from extproc.adapters.base import (
     Flow,
     Options,
     PlanInput,
-    PrefillReply,
     QueueGauges,
     SequentialAdapter,
 )
@@ -41,6 +40,7 @@ from extproc.core.fields import (
     set_members,
 )
 from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.upstream.transport import WorkerReply
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
 PROTOCOL_0_33 = "vllm-0.33-nixl-pull"
@@ -127,7 +127,7 @@ def decode_body(request: ClientRequest, handoff_raw: bytes) -> bytes:
     return set_members(request.raw, request.members, {KEY: handoff_raw})
 
 
-def handoff_from_reply(reply: PrefillReply, protocol: str) -> bytes:
+def handoff_from_reply(reply: WorkerReply, protocol: str) -> bytes:
     """Validate the prefill reply and return the raw bytes of its kv_transfer_params value."""
     parsed, spans = parse_prefill_object(reply)
     params: Any = parsed.get(KEY)
@@ -150,7 +150,7 @@ class VllmNixlAdapter(SequentialAdapter):
     def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
         return prefill_body(request)
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> DecodeWith:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> DecodeWith:
         return DecodeWith(decode_body(request, handoff_from_reply(reply, self.protocol)))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from extproc.errors import Code, PdError
+from extproc.upstream.transport import WorkerAddress
 
 HEADER = "x-prefiller-host-port"
 
@@ -22,20 +22,7 @@ _NAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillTarget:
-    host: str  # a DNS name, or the canonical text of an IP address (IPv6 without brackets)
-    port: int
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None  # None for a DNS name
-
-    @property
-    def authority(self) -> str:
-        """The value for a Host header and for URLs."""
-        return f"[{self.host}]:{self.port}" if isinstance(self.ip, ipaddress.IPv6Address) else \
-            f"{self.host}:{self.port}"
-
-
-def parse_prefill_target(values: Sequence[str]) -> PrefillTarget:
+def parse_prefill_target(values: Sequence[str]) -> WorkerAddress:
     """Parse the header's values (every occurrence, as received). Raises PdError(invalid_prefill_target)."""
     if len(values) != 1:
         raise PdError(Code.INVALID_PREFILL_TARGET)
@@ -53,13 +40,13 @@ def parse_prefill_target(values: Sequence[str]) -> PrefillTarget:
             raise PdError(Code.INVALID_PREFILL_TARGET) from None
         if ip6.scope_id is not None:
             raise PdError(Code.INVALID_PREFILL_TARGET)
-        return PrefillTarget(host=str(ip6), port=port, ip=ip6)
+        return WorkerAddress(host=str(ip6), port=port, ip=ip6)
     if re.fullmatch(r"[0-9.]+", host_text):
         try:
             ip4 = ipaddress.IPv4Address(host_text)
         except ValueError:
             raise PdError(Code.INVALID_PREFILL_TARGET) from None
-        return PrefillTarget(host=str(ip4), port=port, ip=ip4)
+        return WorkerAddress(host=str(ip4), port=port, ip=ip4)
     if len(host_text) > 253 or not _NAME.fullmatch(host_text):
         raise PdError(Code.INVALID_PREFILL_TARGET)
-    return PrefillTarget(host=host_text.rstrip(".").lower(), port=port, ip=None)
+    return WorkerAddress(host=host_text.rstrip(".").lower(), port=port, ip=None)

@@ -31,8 +31,8 @@ from extproc.adapters.base import (
     ConcurrentAdapter,
     ConcurrentPlan,
     DecodeWith,
+    Disabled,
     PlanInput,
-    PrefillReply,
     SequentialAdapter,
 )
 from extproc.core.admission import Admission
@@ -40,13 +40,13 @@ from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
 from extproc.core.fields import refuse_reserved
 from extproc.core.headers import prefill_headers
 from extproc.core.openai_request import ClientRequest, parse_client_request
-from extproc.core.prefill_target import HEADER, PrefillTarget, parse_prefill_target
+from extproc.core.prefill_target import HEADER, parse_prefill_target
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
 from extproc.observability.metrics import Metrics, RequestRecord
 from extproc.upstream.decode_queue import DecodeQueueWatch
 from extproc.upstream.discovery import ServerInfoCache
-from extproc.upstream.transport import Bounds, ResolvedTarget, Transport
+from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import Tracing
@@ -95,7 +95,7 @@ DECODE_ERROR_GRACE = 2.0
 class PdProcessor:
     def __init__(
         self,
-        adapter: Adapter | None,
+        adapter: Adapter | Disabled,
         transport: Transport,
         *,
         max_request_bytes: int,
@@ -119,10 +119,8 @@ class PdProcessor:
         self._fallback = fallback
         self._tracing = tracing
         self._nonce = nonce
-        self._adapter_name = adapter.name if adapter is not None else "none"
-        discovery_headers = adapter.discovery_headers if adapter is not None else ()
-        self._server_info = ServerInfoCache(transport, discovery_headers,
-                                            keep=adapter.server_info_keys if adapter is not None else ())
+        self._adapter_name = adapter.name
+        self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
     # --- the two ext_proc phases -------------------------------------------------------------------
 
@@ -131,7 +129,7 @@ class PdProcessor:
         Returns the state for the body phase, or the reply that ends the request now."""
         record = self._record(head)
         try:
-            if self._adapter is None:
+            if isinstance(self._adapter, Disabled):
                 raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
             self._admission.check()  # shed before Envoy buffers the body (on_body checks again)
             if self._decode_queue is not None and self._decode_queue.over_limit():
@@ -154,8 +152,9 @@ class PdProcessor:
         record = pending.record
         record.body_bytes = len(body)
         adapter = self._adapter
-        assert adapter is not None
         try:
+            if isinstance(adapter, Disabled):  # refused at the head already; a body never gets here
+                raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
             request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
             refuse_reserved(request.body, adapter.reserved_fields)
             target = pending.target
@@ -297,20 +296,20 @@ class PdProcessor:
             server_info = await self._server_info.get(target, adapter.server_info_path)
         # The adapter sees the address we checked, not the name: an engine that dials the prefill host
         # itself (SGLang's bootstrap) must not resolve the name again to another address.
-        checked = PrefillTarget(host=str(target.ip), port=target.target.port, ip=target.ip)
+        checked = WorkerAddress(host=str(target.ip), port=target.target.port, ip=target.ip)
         return PlanInput(checked, self._nonce(), server_info)
 
     async def _post_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                             target: ResolvedTarget, body: bytes, record: RequestRecord,
-                            bounds: Bounds | None = None) -> PrefillReply:
+                            bounds: Bounds | None = None) -> WorkerReply:
         headers = prefill_headers(head.headers, adapter.reserved_headers)
         if record.trace is None:
-            return await self._transport.post(target, request.path, headers, body, record, bounds)
+            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
         headers = record.trace.start_prefill(headers)
         try:
-            return await self._transport.post(target, request.path, headers, body, record, bounds)
+            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
         finally:
-            record.trace.end_prefill(record.prefill_status)
+            record.trace.end_prefill(record.prefill.status)
 
     def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
                       metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
@@ -346,8 +345,8 @@ class PdProcessor:
             "adapter": record.adapter,
             "outcome": outcome,
             "status": status,
-            "prefill_status": record.prefill_status,
-            "prefill_ms": _ms(record.prefill_seconds),
+            "prefill_status": record.prefill.status,
+            "prefill_ms": _ms(record.prefill.total_seconds),
             "total_ms": _ms(total),
             "body_bytes": record.body_bytes,
         }

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from extproc.adapters import ENGINES, adapter_flow
+from extproc.adapters import adapter_flow, engines
 from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.core.headers import PICKER_HEADERS
@@ -81,7 +81,7 @@ DECODE_WAIT_MARGIN = 30.0
 def decode_idle_timeout(settings: Settings) -> float:
     """The silence Envoy tolerates on a decode stream: the setting, raised above the engine's own wait
     for the KV when decode starts before the prefill (SGLang), so the engines time out first."""
-    engine = ENGINES.get(settings.adapter)
+    engine = engines().get(settings.adapter)
     wait = engine.decode_wait(settings.engine_options) if engine is not None else 0.0
     return max(settings.decode_idle_timeout, wait + DECODE_WAIT_MARGIN) if wait else settings.decode_idle_timeout
 

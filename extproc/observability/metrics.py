@@ -5,10 +5,12 @@ Every metric is updated once per request, from its RequestRecord, when the reque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from extproc.upstream.transport import ExchangeTimings
 
 # Outcomes that are not errors: the request was served (by decode, whole by a TensorRT-LLM context
 # phase, or whole by decode after a prefill failure with PD_EXTPROC_PREFILL_FALLBACK), or the client
@@ -33,12 +35,8 @@ class RequestRecord:
     started: float
     outcome: str = "ok"
     status: int = 200
-    prefill_status: int | None = None
-    prefill_connect_seconds: float | None = None  # only when a new connection was opened
-    prefill_response_seconds: float | None = None  # until the response head
-    prefill_seconds: float | None = None  # the whole leg, body read included
+    prefill: ExchangeTimings = field(default_factory=ExchangeTimings)  # the prefill leg, as the transport saw it
     body_bytes: int | None = None
-    prefill_response_bytes: int | None = None
     handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
     fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
     decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
@@ -96,19 +94,19 @@ class Metrics:
     def finish(self, record: RequestRecord, total_seconds: float) -> None:
         adapter = record.adapter
         self.requests.labels(adapter, record.outcome).inc()
-        if record.prefill_connect_seconds is not None:
-            self.prefill_seconds.labels(adapter, "connect").observe(record.prefill_connect_seconds)
-        if record.prefill_response_seconds is not None:
-            self.prefill_seconds.labels(adapter, "response").observe(record.prefill_response_seconds)
-        if record.prefill_seconds is not None:
-            self.prefill_seconds.labels(adapter, "total").observe(record.prefill_seconds)
-        self.processing_seconds.labels(adapter).observe(max(0.0, total_seconds - (record.prefill_seconds or 0.0)))
+        if record.prefill.connect_seconds is not None:
+            self.prefill_seconds.labels(adapter, "connect").observe(record.prefill.connect_seconds)
+        if record.prefill.response_seconds is not None:
+            self.prefill_seconds.labels(adapter, "response").observe(record.prefill.response_seconds)
+        if record.prefill.total_seconds is not None:
+            self.prefill_seconds.labels(adapter, "total").observe(record.prefill.total_seconds)
+        self.processing_seconds.labels(adapter).observe(max(0.0, total_seconds - (record.prefill.total_seconds or 0.0)))
         if record.handoff_problem is not None:
             self.handoff_failures.labels(adapter, record.handoff_problem).inc()
         if record.body_bytes is not None:
             self.request_bytes.labels(adapter).observe(record.body_bytes)
-        if record.prefill_response_bytes is not None:
-            self.prefill_response_bytes.labels(adapter).observe(record.prefill_response_bytes)
+        if record.prefill.response_bytes is not None:
+            self.prefill_response_bytes.labels(adapter).observe(record.prefill.response_bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -28,13 +28,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from extproc.adapters.base import PrefillReply
 from extproc.core.prefill_policy import PrefillPolicy, first_allowed
-from extproc.core.prefill_target import PrefillTarget
 from extproc.errors import Code, PdError
-from extproc.observability.metrics import RequestRecord
 from extproc.upstream import http1
-from extproc.upstream.transport import Bounds, ResolvedTarget
+from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
 # An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
 # (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in
@@ -58,7 +55,7 @@ def classify(exc: BaseException, phase: Phase) -> Code:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillLimits:
+class WorkerLimits:
     connect_timeout: float
     read_timeout: float
     deadline: float
@@ -67,7 +64,7 @@ class PrefillLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillTls:
+class WorkerTls:
     context: ssl.SSLContext
     server_name: str  # "" = the target's own host
 
@@ -88,10 +85,10 @@ def _reusable(connection: http1.Connection, now: float) -> bool:
     return connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS
 
 
-class PrefillClient:
+class WorkerClient:
     """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
 
-    def __init__(self, limits: PrefillLimits, policy: PrefillPolicy, tls: PrefillTls | None = None) -> None:
+    def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None) -> None:
         self._limits = limits
         self._policy = policy
         self._tls = tls
@@ -107,7 +104,7 @@ class PrefillClient:
                 connection.close()
         self._idle.clear()
 
-    async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
+    async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:
             if not self._policy.allows_address(target.ip, target.port):
@@ -129,15 +126,15 @@ class PrefillClient:
         return ResolvedTarget(target, chosen, tls=self._tls is not None)
 
     async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
-                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> PrefillReply:
+                   timings: ExchangeTimings | None = None, bounds: Bounds | None = None) -> WorkerReply:
         """POST ``body`` to the resolved target under the total deadline; see the module docstring."""
-        return await self._bounded("POST", target, path, headers, body, record, bounds)
+        return await self._bounded("POST", target, path, headers, body, timings, bounds)
 
-    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> WorkerReply:
         return await self._bounded("GET", target, path, headers, None, None, None)
 
     async def _bounded(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
-                       body: bytes | None, record: RequestRecord | None, bounds: Bounds | None) -> PrefillReply:
+                       body: bytes | None, timings: ExchangeTimings | None, bounds: Bounds | None) -> WorkerReply:
         started = time.perf_counter()
         deadline = bounds.deadline if bounds is not None else self._limits.deadline
         gap = bounds.read_timeout if bounds is not None else self._limits.read_timeout
@@ -145,16 +142,16 @@ class PrefillClient:
             self._slots = asyncio.Semaphore(self._limits.max_connections)
         try:
             async with asyncio.timeout(deadline), self._slots:
-                return await self._exchange(method, target, path, headers, body, record, started, gap)
+                return await self._exchange(method, target, path, headers, body, timings, started, gap)
         except TimeoutError:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:
-            if record is not None:
-                record.prefill_seconds = time.perf_counter() - started
+            if timings is not None:
+                timings.total_seconds = time.perf_counter() - started
 
     async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
-                        body: bytes | None, record: RequestRecord | None, started: float,
-                        gap: float) -> PrefillReply:
+                        body: bytes | None, timings: ExchangeTimings | None, started: float,
+                        gap: float) -> WorkerReply:
         tls = self._tls if target.tls else None
         server_name = (tls.server_name or target.target.host) if tls else None
         key = (str(target.ip), target.target.port, server_name)
@@ -163,7 +160,7 @@ class PrefillClient:
         connection = self._pooled(key)
         try:
             if connection is None:
-                connection = await self._connect(key, tls, record)
+                connection = await self._connect(key, tls, timings)
             assert connection.transport is not None
             try:
                 connection.transport.write(request)
@@ -173,27 +170,27 @@ class PrefillClient:
                 head = await connection.read_head(gap)
             except OSError as exc:  # http1's errors, a reset: nothing usable before the head
                 raise PdError(classify(exc, Phase.HEAD)) from None
-            if record is not None:
-                record.prefill_response_seconds = time.perf_counter() - started
-                record.prefill_status = head.status
+            if timings is not None:
+                timings.response_seconds = time.perf_counter() - started
+                timings.status = head.status
             content_type = head.get("content-type")
             if head.status != 200:
-                return PrefillReply(head.status, content_type, b"")
+                return WorkerReply(head.status, content_type, b"")
             try:
                 body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
             except http1.BodyTooLarge:
                 raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE) from None
             except OSError as exc:
                 raise PdError(classify(exc, Phase.BODY)) from None
-            if record is not None:
-                record.prefill_response_bytes = len(body_read)
+            if timings is not None:
+                timings.response_bytes = len(body_read)
             if connection.reusable and self._open:
                 connection.idle_since = now = time.monotonic()
                 self._idle.setdefault(key, []).append(connection)
                 connection = None
                 if now - self._swept >= KEEPALIVE_SECONDS:
                     self._sweep(now)
-            return PrefillReply(200, content_type, body_read)
+            return WorkerReply(200, content_type, body_read)
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
                 connection.close()
@@ -225,7 +222,7 @@ class PrefillClient:
             else:
                 del self._idle[key]
 
-    async def _connect(self, key: _PoolKey, tls: PrefillTls | None, record: RequestRecord | None) -> http1.Connection:
+    async def _connect(self, key: _PoolKey, tls: WorkerTls | None, timings: ExchangeTimings | None) -> http1.Connection:
         host, port, server_name = key
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -237,6 +234,6 @@ class PrefillClient:
             raise PdError(classify(http1.ConnectTimeout(), Phase.HEAD)) from None
         except OSError as exc:  # refused, unreachable, TLS handshake or certificate failures
             raise PdError(classify(exc, Phase.HEAD)) from None
-        if record is not None:
-            record.prefill_connect_seconds = time.perf_counter() - started
+        if timings is not None:
+            timings.connect_seconds = time.perf_counter() - started
         return connection

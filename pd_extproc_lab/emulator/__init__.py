@@ -31,13 +31,26 @@ class Emulator(Protocol):
 
 def emulator_class(engine: str) -> Any:
     """The emulator class an engine declares (imported only when asked for)."""
-    from extproc.adapters import BY_ENGINE
+    from extproc.adapters import by_engine
 
-    module_name, _, class_name = BY_ENGINE[engine].emulator.partition(":")
+    module_name, _, class_name = by_engine()[engine].emulator.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, engine: str) -> None:
+def add_arguments(parser: argparse.ArgumentParser, engines: tuple[str, ...], engine: str) -> None:
+    """``pd-extproc emulate``'s options: the common ones, then the chosen engine's own."""
+    parser.add_argument("--engine", choices=engines, default="vllm",
+                        help="the inference engine whose worker to emulate")
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HTTP host:port (port 0 = any free port)")
+    parser.add_argument("--side-channel", default="127.0.0.1:0",
+                        help="KV side channel host:port: vLLM's NIXL side channel, SGLang's bootstrap server, "
+                             "TensorRT-LLM's KV registry (prefill roles)")
+    parser.add_argument("--model", default="emulated")
+    parser.add_argument("--worker-id", default="")
+    parser.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
+    parser.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     group = parser.add_argument_group(f"{engine} emulator")
     emulator_class(engine).add_arguments(group)
 

@@ -10,6 +10,7 @@ test_trtllm_pd.py.
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from extproc.adapters import engines
+from extproc.adapters.base import Demo, Engine
 from tests.harness import Stack, engine_workers, running_stack
 from tests.helpers import (
     CHAT,
@@ -48,27 +51,35 @@ class EngineCase:
     engine: str
     reserved: tuple[str, Any]  # a field the route owns, with a client value it refuses
     worker_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
+    demo: Demo = Demo()
 
 
-CASES = [
-    EngineCase("vllm_nixl", "vllm", ("kv_transfer_params", {"do_remote_prefill": True})),
-    EngineCase("sglang", "sglang", ("bootstrap_room", 7), ("--kv-timeout", "60s"),
-               (("PD_EXTPROC_SGLANG_BOOTSTRAP_PORT", "discover"),)),
-    EngineCase("trtllm", "trtllm", ("disaggregated_params", {"request_type": "generation_only"})),
-]
+# Emulator options the suite needs beyond an engine's demo: SGLang's emulated KV wait must outlast a
+# loaded CI machine's slowest prefill in the failure cases.
+EXTRA_WORKER_ARGS = {"sglang": ("--kv-timeout", "60s")}
+
+
+def _case(engine: Engine) -> EngineCase:
+    adapter = engine.build(engine.pins[0], {spec.name: spec.default for spec in engine.settings})
+    reserved = adapter.reserved_fields[0].name
+    return EngineCase(engine.name, engine.engine, (reserved, {"forged": True}),
+                      EXTRA_WORKER_ARGS.get(engine.engine, ()), engine.demo)
+
+
+# Every registered engine, with the settings its demo declares (Engine.demo), as `up --demo` runs it.
+CASES = [_case(engine) for engine in engines().values()]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[case.adapter for case in CASES])
 def engine_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     case: EngineCase = request.param
-    env = {"PD_EXTPROC_ADAPTER": case.adapter, **dict(case.env)}
+    env = {"PD_EXTPROC_ADAPTER": case.adapter, **case.demo.env}
     args = case.worker_args
-    if case.adapter == "trtllm":  # the default pin signs: one key for our server and both workers
-        key = Path(tmp_path_factory.mktemp("key")) / "internal.key"
-        key.write_text("contract-suite-key\n")
-        env["PD_EXTPROC_TRTLLM_AUTH_KEY_FILE"] = str(key)
-        args = (*args, "--auth-key-file", str(key))
+    if case.demo.key_setting:  # one shared key for our server and both workers, as `up --demo` makes it
+        key = Path(tmp_path_factory.mktemp("key")) / "demo-shared.key"
+        key.write_text(secrets.token_hex(32) + "\n")
+        env[case.demo.key_setting] = str(key)
+        args = (*args, case.demo.key_flag, str(key))
     with running_stack(env, engine_workers(case.engine, args)) as stack:
         yield stack
 
