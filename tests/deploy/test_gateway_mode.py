@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from deploy import crd_schema, validate
 from deploy.envfile import read_env_file
@@ -390,3 +391,52 @@ def test_istio_removes_the_same_headers_early_and_buffers_the_same_body() -> Non
     assert removed == set(ctp["headers"]["earlyRequestHeaders"]["remove"])
     listener = _istio_patch("LISTENER")["patch"]["value"]
     assert listener["per_connection_buffer_limit_bytes"] == _quantity_bytes(ctp["connection"]["bufferLimit"])
+
+
+def _istio_patched_bootstrap(envoy_filter: dict[str, Any]) -> str:
+    """A bootstrap holding exactly what the EnvoyFilter patches in (its values are Envoy's own protos,
+    which the CRD leaves unchecked), so that Envoy itself validates them."""
+    patches = {p["applyTo"]: p["patch"]["value"] for p in envoy_filter["spec"]["configPatches"]}
+    ext_proc = patches["HTTP_FILTER"]
+    cluster = ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                    "HttpConnectionManager",
+           "stat_prefix": "gateway",
+           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                                               "routes": [{"match": {"prefix": "/"}, "route": {"cluster": cluster}}]}]},
+           "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    hcm.update({k: v for k, v in patches["NETWORK_FILTER"]["typed_config"].items() if k != "@type"})
+    listener = {"name": "gateway", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}]}
+    listener.update(patches["LISTENER"])
+    bootstrap = {"static_resources": {
+        "listeners": [listener],
+        "clusters": [{"name": cluster, "type": "STATIC", "connect_timeout": "1s",
+                      "typed_extension_protocol_options": {
+                          "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                              "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                              "explicit_http_config": {"http2_protocol_options": {}}}},
+                      "load_assignment": {"cluster_name": cluster, "endpoints": [{"lb_endpoints": [{"endpoint": {
+                          "address": {"socket_address": {"address": "127.0.0.1", "port_value": 50051}}}}]}]}}]}}
+    return yaml.safe_dump(bootstrap, sort_keys=False)
+
+
+def test_istios_patches_are_valid_envoy_config() -> None:
+    envoy_filter = rendered(ISTIO).get("EnvoyFilter", "pd-extproc")
+    assert validate.envoy_problems(_istio_patched_bootstrap(envoy_filter)) == []
+
+
+@pytest.mark.parametrize(("apply_to", "path", "value"), [
+    ("HTTP_FILTER", ("typed_config", "message_timeot"), "65s"),
+    ("HTTP_FILTER", ("typed_config", "processing_mode", "request_body_mode"), "BUFFER"),
+    ("NETWORK_FILTER", ("typed_config", "early_header_mutation_extensions", 0, "typed_config", "mutations", 0),
+     {"remov": "x-prefiller-host-port"}),
+])
+def test_envoy_rejects_a_planted_error_in_istios_patches(apply_to: str, path: tuple[str | int, ...],
+                                                         value: Any) -> None:
+    envoy_filter = copy.deepcopy(rendered(ISTIO).get("EnvoyFilter", "pd-extproc"))
+    patch = next(p for p in envoy_filter["spec"]["configPatches"] if p["applyTo"] == apply_to)
+    _set(path, value)(patch["patch"]["value"])
+    assert validate.envoy_problems(_istio_patched_bootstrap(envoy_filter)) != []
