@@ -4,6 +4,7 @@ its schema, and the gateway's ext_proc configuration agrees with the pd-extproc 
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -440,3 +441,11 @@ def test_envoy_rejects_a_planted_error_in_istios_patches(apply_to: str, path: tu
     patch = next(p for p in envoy_filter["spec"]["configPatches"] if p["applyTo"] == apply_to)
     _set(path, value)(patch["patch"]["value"])
     assert validate.envoy_problems(_istio_patched_bootstrap(envoy_filter)) != []
+
+
+@pytest.mark.parametrize("path", sorted(crd_schema.CRD_DIR.rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_crd_is_recorded_with_its_hash(path: Path) -> None:
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    sources = (crd_schema.CRD_DIR.parent / "SOURCES.md").read_text()
+    assert f"`{digest[:8]}…{digest[-4:]}`" in sources
+    assert path.parent.name.rsplit("-", 1)[-1].lstrip("v") in sources  # the version in the folder name
