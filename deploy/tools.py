@@ -53,9 +53,9 @@ def kubectl_bin() -> Path:
     """kubectl with kustomize v5 inside, or a ToolError that says what is missing."""
     configured = os.environ.get("PD_DEPLOY_KUBECTL_BIN")
     found = configured or shutil.which("kubectl")
-    if not found:
-        raise ToolError("kubectl not found on PATH (set PD_DEPLOY_KUBECTL_BIN): k8s/gateway-mode is "
-                        "rendered with its built-in kustomize")
+    if not found or not os.access(found, os.X_OK):
+        raise ToolError(f"kubectl not found ({found or 'not on PATH'}; set PD_DEPLOY_KUBECTL_BIN): "
+                        "k8s/gateway-mode is rendered with its built-in kustomize")
     result = subprocess.run([found, "version", "--client", "-o", "json"], capture_output=True, text=True,
                             timeout=60, check=False)
     try:
