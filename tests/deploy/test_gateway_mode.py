@@ -1,4 +1,4 @@
-"""k8s/gateway-mode (docs/gateway.md): every kustomize folder renders, every object it renders passes
+"""k8s/gateway-mode (docs/gateway-chains.md): every kustomize folder renders, every object it renders passes
 its schema, and the gateway's ext_proc configuration agrees with the pd-extproc container it calls."""
 
 from __future__ import annotations
@@ -321,8 +321,19 @@ def test_a_clients_picker_headers_are_removed_before_any_filter() -> None:
     removed = set(policy["headers"]["earlyRequestHeaders"]["remove"])
     assert PICKER_HEADERS | {"x-data-parallel-rank", DESTINATION_HEADER} <= removed
     assert "x-data-parallel-rank" in DATA_PARALLEL_RANKS
-    # Route filters run after the picker: removing its header there would undo its pick.
-    assert all("filters" not in rule for rule in route["rules"])
+
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_the_route_removes_the_picker_headers_before_decode_and_nothing_else(root: Path) -> None:
+    # Gateway API's RequestHeaderModifier is the route's request_headers_to_remove, applied by the
+    # router after every filter: the picker and pd-extproc have read them; decode must not see them.
+    (rule,) = rendered(root).get("HTTPRoute", "pd-route")["spec"]["rules"]
+    (header_filter,) = rule["filters"]
+    assert header_filter["type"] == "RequestHeaderModifier"
+    assert set(header_filter["requestHeaderModifier"]) == {"remove"}
+    removed = header_filter["requestHeaderModifier"]["remove"]
+    assert len(removed) == len(set(removed)) and set(removed) == PICKER_HEADERS
 
 
 def test_the_decode_leg_goes_to_the_endpoint_the_picker_named() -> None:
