@@ -484,3 +484,117 @@ def test_a_kustomization_that_does_not_build_is_an_error_naming_it(tmp_path: Pat
     (tmp_path / "kustomization.yaml").write_text("resources:\n  - missing.yaml\n")
     with pytest.raises(ValueError, match="kubectl kustomize"):
         validate.kustomize_documents(tmp_path)
+
+
+# ------------------------------------------- what Envoy Gateway renders from these objects, on Envoy 1.40
+
+# Envoy Gateway v1.9.0's translation, read in its source (docs/gateway-chains.md has the lines):
+# body modes (internal/xds/translator/extproc.go translateExtProcBodyProcessingMode), filter and
+# cluster names (perRouteFilterName; the goldens' envoyextensionpolicy/<ns>/<name>/<index>/<service>),
+# the route name (internal/gatewayapi/helpers.go:550, `*` without hostname) and the 10s gRPC timeout
+# it always sets (extproc.go:105).
+_EG_BODY_MODES = {"Buffered": "BUFFERED", "BufferedPartial": "BUFFERED_PARTIAL", "Streamed": "STREAMED",
+                  "FullDuplexStreamed": "FULL_DUPLEX_STREAMED"}
+
+
+def _eg_processing_mode(mode: dict[str, Any]) -> dict[str, str]:
+    """extproc.go buildProcessingMode: everything SKIP/NONE, then what `request`/`response` ask for."""
+    out = {"request_header_mode": "SKIP", "response_header_mode": "SKIP", "request_body_mode": "NONE",
+           "response_body_mode": "NONE", "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+    for side in ("request", "response"):
+        if side in mode:
+            out[f"{side}_header_mode"] = "SEND"
+            body = _EG_BODY_MODES[mode[side]["body"]] if "body" in mode[side] else "NONE"
+            out[f"{side}_body_mode"] = body
+            if body == "FULL_DUPLEX_STREAMED":
+                out[f"{side}_trailer_mode"] = "SEND"
+    return out
+
+
+def _static_cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
+    cluster: dict[str, Any] = {"name": name, "type": "STATIC", "connect_timeout": "10s", "load_assignment": {
+        "cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+            "address": "127.0.0.1", "port_value": port}}}}]}]}}
+    if http2:
+        cluster["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}}
+    return cluster
+
+
+def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
+    """The listener, route and clusters Envoy Gateway renders for pd-route with these policies (by hand,
+    after its translator; endpoints are placeholders)."""
+    policy = objects.get("EnvoyExtensionPolicy", "pd-extproc-chain")
+    ns, name = policy["metadata"]["namespace"], policy["metadata"]["name"]
+    route = objects.get("HTTPRoute", "pd-route")
+    (rule,) = route["spec"]["rules"]
+    route_name = f"httproute/{ns}/{route['metadata']['name']}/rule/0/match/0/*"
+    backend_cluster = f"httproute/{ns}/{route['metadata']['name']}/rule/0"
+    filters, clusters, enable = [], [], {}
+    for index, ext in enumerate(policy["spec"]["extProc"]):
+        filter_name = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{ns}/{name}/extproc/{index}"
+        (ref,) = ext["backendRefs"]
+        cluster = f"envoyextensionpolicy/{ns}/{name}/{index}/{ref['name']}"
+        config: dict[str, Any] = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster, "authority": f"{ref['name']}.{ns}:{ref['port']}"},
+                             "timeout": "10s"},
+            "processing_mode": _eg_processing_mode(ext["processingMode"]),
+            "failure_mode_allow": ext["failOpen"], "message_timeout": ext["messageTimeout"],
+            "allow_mode_override": ext["processingMode"].get("allowModeOverride", False)}
+        if "statusOnError" in ext:
+            config["status_on_error"] = {"code": ext["statusOnError"]}
+        filters.append({"name": filter_name, "disabled": True, "typed_config": config})
+        enable[filter_name] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+        clusters.append(_static_cluster(cluster, ref["port"], http2=True))
+    override = objects.get("BackendTrafficPolicy", "pd-decode-endpoint-override")["spec"]["loadBalancer"]
+    decode = _static_cluster(backend_cluster, rule["backendRefs"][0]["port"], http2=False)
+    decode["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"header": s["header"]} for s in override["endpointOverride"]["extractFrom"]],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.least_request", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3."
+                             "LeastRequest"}}}]}}}}]}
+    client = objects.get("ClientTrafficPolicy", "pd-client-traffic")["spec"]
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                    "HttpConnectionManager",
+           "stat_prefix": "http",
+           "early_header_mutation_extensions": [{
+               "name": "envoy.http.early_header_mutation.header_mutation", "typed_config": {
+                   "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3."
+                            "HeaderMutation",
+                   "mutations": [{"remove": h} for h in client["headers"]["earlyRequestHeaders"]["remove"]]}}],
+           "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
+               "name": route_name, "match": {"path_separated_prefix": rule["matches"][0]["path"]["value"].rstrip("/")},
+               "route": {"cluster": backend_cluster, "timeout": "0s"},
+               "request_headers_to_remove": rule["filters"][0]["requestHeaderModifier"]["remove"],
+               "typed_per_filter_config": enable}]}]},
+           "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+    listener = {"name": f"{ns}/{route['spec']['parentRefs'][0]['name']}/http",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                "per_connection_buffer_limit_bytes": _quantity_bytes(client["connection"]["bufferLimit"]),
+                "default_filter_chain": {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                      "typed_config": hcm}]}}
+    return {"static_resources": {"listeners": [listener], "clusters": [*clusters, decode]}}
+
+
+def test_what_envoy_gateway_renders_from_these_objects_is_a_valid_envoy_config() -> None:
+    bootstrap = envoy_gateway_shape(rendered(GATEWAY_MODE))
+    names = [f["name"] for f in bootstrap["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0][
+        "typed_config"]["http_filters"]]
+    assert names[-1] == "envoy.filters.http.router" and names[0].endswith("/extproc/0") and names[1].endswith(
+        "/extproc/1")
+    assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) == []
+
+
+def test_envoy_rejects_the_shape_with_a_planted_error() -> None:
+    objects = rendered(GATEWAY_MODE)
+    broken = copy.deepcopy(objects.get("EnvoyExtensionPolicy", "pd-extproc-chain"))
+    broken["spec"]["extProc"][1]["messageTimeout"] = "-1s"
+    planted = Rendered([validate.Document(d.path, d.index, broken if d.body["kind"] == "EnvoyExtensionPolicy"
+                                          else d.body) for d in objects.docs])
+    assert validate.envoy_problems(yaml.safe_dump(envoy_gateway_shape(planted), sort_keys=False)) != []
