@@ -16,7 +16,7 @@ import yaml
 from deploy import crd_schema, tools, validate
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
-from extproc.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
+from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
 
