@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -19,8 +20,9 @@ from typing import Any
 import uvloop
 
 from extproc import logs, ready
+from extproc._version import __version__
 from extproc.adapters import BY_ENGINE
-from extproc.config import SPECS, ConfigError, Settings, add_arguments, load_settings
+from extproc.config import ENVOY_ONLY_SETTINGS, SPECS, ConfigError, Settings, add_arguments, load_settings
 from extproc.emulator import ROLES
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
@@ -64,11 +66,29 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     return 0
 
 
+ENVOY_HELP = """usage: pd-extproc envoy [ENVOY ARGUMENTS ...]
+
+Run Envoy in the foreground with these arguments, passed to it unchanged (plus --admin-address-path).
+On the first SIGTERM or SIGINT, drain Envoy's listeners, wait until no request is in flight or
+PD_EXTPROC_DRAIN_TIMEOUT has passed, then stop Envoy; a second signal stops it at once.
+
+The binary is PD_EXTPROC_ENVOY_BIN (default: envoy on PATH). Envoy's own options: {envoy_bin} --help
+"""
+
+
 def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import envoy_runner
+    from extproc import envoy_runner, process
 
     settings = load_settings(environ)
-    return envoy_runner.run(settings.envoy_bin, args.envoy_args, settings.drain_timeout)
+    if any(arg in ("-h", "--help") for arg in args.envoy_args):
+        sys.stdout.write(ENVOY_HELP.format(envoy_bin=settings.envoy_bin))
+        return 0
+    try:
+        envoy_bin = process.find_envoy(settings.envoy_bin)
+    except process.StackError as exc:
+        sys.stderr.write(f"pd-extproc envoy: {exc}\n")
+        return EXIT_RUNTIME
+    return envoy_runner.run(envoy_bin, args.envoy_args, settings.drain_timeout)
 
 
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -90,11 +110,22 @@ _UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_lis
 
 
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    settings = _settings(args, environ, consistent=False)  # bad values fail before the folder exists
+    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
+    try:
+        return _up(args, environ, settings, workdir)
+    finally:
+        if args.keep_logs:
+            _say(f"logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings, workdir: Path) -> int:
     from extproc import process, stack
 
-    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
     # The demo may add settings of its own (a shared key), so the full check runs once they are in.
-    workers, demo_env = _demo_workers(_settings(args, environ, consistent=False), workdir)
+    workers, demo_env = _demo_workers(settings, workdir)
     environ = {**environ, **demo_env}
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
@@ -195,9 +226,11 @@ def _print_ready(running: Any, workdir: Path) -> None:
 def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``emulator_engine``, ``emulate`` also has that engine's emulator options."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
-    add_arguments(serve)
+    # Only the settings the server reads; Envoy's are for envoy-config and up (the variables are still read).
+    add_arguments(serve, [spec.name for spec in SPECS if spec.name not in ENVOY_ONLY_SETTINGS])
     serve.set_defaults(run=cmd_serve)
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
@@ -209,6 +242,9 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy.set_defaults(run=cmd_envoy)
     up = commands.add_parser("up", help="run Envoy and the server in the foreground")
     add_arguments(up)
+    up.add_argument("--keep-logs", action="store_true",
+                    help="keep the children's logs and files (a pd-extproc-up-* folder under $TMPDIR) after "
+                         "stopping; by default the folder is deleted")
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
     emulate.add_argument("--engine", choices=tuple(BY_ENGINE), default="vllm",

@@ -184,6 +184,10 @@ SPECS: tuple[SettingSpec, ...] = (
     *ENGINE_SPECS,
 )
 _SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
+_SPEC_BY_ENV = {spec.env: spec for spec in SPECS}
+# Settings only Envoy's bootstrap (envoy_config.py) or `up` use: `serve` has no flags for them.
+ENVOY_ONLY_SETTINGS = frozenset({"listen", "envoy_admin", "envoy_stats_listen", "envoy_bin", "envoy_message_timeout",
+                                 "client_body_timeout", "decode_idle_timeout", "trusted_sources"})
 _ENGINE_SPEC_NAMES = frozenset(spec.name for spec in ENGINE_SPECS)
 
 
@@ -220,9 +224,9 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
             values[spec.name] = spec.parse(raw)
         except ValueError as exc:
             problems.append(f"{source}: {exc}")
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower()
-                     not in _SPEC_BY_NAME)
-    problems.extend(f"{name}: unknown setting" for name in unknown)
+    # Names are exact: PD_EXTPROC_prefill_allow is refused like a misspelling, never silently ignored.
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in _SPEC_BY_ENV)
+    problems.extend(f"{name}: unknown setting{_did_you_mean(name)}" for name in unknown)
     if problems:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))
     options = {name: values.pop(name) for name in list(values) if name in _ENGINE_SPEC_NAMES}
@@ -231,6 +235,10 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings
+
+
+def _did_you_mean(name: str) -> str:
+    return f" (did you mean {name.upper()}?)" if name.upper() in _SPEC_BY_ENV else ""
 
 
 def check_consistency(settings: Settings) -> list[str]:

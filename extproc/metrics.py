@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from extproc._version import __version__
+
 # Outcomes that are not errors: the request was served (by decode, whole by a TensorRT-LLM context
 # phase, or whole by decode after a prefill failure with PD_EXTPROC_PREFILL_FALLBACK), or the client
 # left. Every other outcome is an error code from extproc/errors.py.
@@ -49,6 +51,9 @@ class RequestRecord:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge("pd_extproc_build_info", "The running pd-extproc release (always 1).", ["version"],
+                                registry=self.registry)
+        self.build_info.labels(__version__).set(1)
         self.requests = Counter(
             "pd_extproc_requests",
             "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",

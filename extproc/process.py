@@ -83,7 +83,7 @@ class Child:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StackError(f"{self.name} did not become ready within {timeout:.0f}s; see {self.log_path}")
+                raise StackError(f"{self.name} did not become ready within {timeout:.0f}s: {self.tail()}")
             try:
                 line = self._lines.get(timeout=remaining)
             except queue.Empty:
@@ -194,7 +194,7 @@ class EnvoyProcess:
                     if self.admin_get("/ready").strip() == b"LIVE":
                         return self.listener_address()
             time.sleep(0.05)
-        raise StackError(f"envoy did not become ready within {timeout:.0f}s; see {self.child.log_path}")
+        raise StackError(f"envoy did not become ready within {timeout:.0f}s: {self.child.tail()}")
 
     def listener_address(self) -> str:
         listeners: Any = orjson.loads(self.admin_get("/listeners?format=json"))
