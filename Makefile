@@ -95,7 +95,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check extproc tests bench deploy
 	$(BIN)/mypy extproc
 
-unit: $(VENV)/.installed
+unit: install  # Envoy too: tests/unit validates the rendered bootstrap with it
 	$(BIN)/python -m pytest -q tests/unit tests/servicer $(PYTEST_ARGS)
 
 e2e: install
