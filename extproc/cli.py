@@ -79,10 +79,10 @@ The binary is PD_EXTPROC_ENVOY_BIN (default: envoy on PATH). Envoy's own options
 def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc import envoy_runner, process
 
-    settings = load_settings(environ)
-    if any(arg in ("-h", "--help") for arg in args.envoy_args):
-        sys.stdout.write(ENVOY_HELP.format(envoy_bin=settings.envoy_bin))
+    if any(arg in ("-h", "--help") for arg in args.envoy_args):  # help even while a setting is wrong
+        sys.stdout.write(ENVOY_HELP.format(envoy_bin=environ.get(ENV_PREFIX + "ENVOY_BIN", "envoy")))
         return 0
+    settings = load_settings(environ)
     try:
         envoy_bin = process.find_envoy(settings.envoy_bin)
     except process.StackError as exc:
@@ -91,9 +91,18 @@ def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     return envoy_runner.run(envoy_bin, args.envoy_args, settings.drain_timeout)
 
 
+LAB_EXTRA_MISSING = ("pd-extproc emulate: the emulated engines need the lab extra, which is not installed: "
+                     "pip install 'pd-extproc[lab]'\n")
+
+
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc import emulator
 
+    try:
+        import aiohttp  # noqa: F401  (the emulators' HTTP stack: the `lab` extra, not a runtime dependency)
+    except ImportError:
+        sys.stderr.write(LAB_EXTRA_MISSING)
+        return EXIT_CONFIG
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     args.side_channel = parse_address(args.side_channel, allow_port_zero=True)

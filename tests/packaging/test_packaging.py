@@ -106,6 +106,14 @@ def test_the_installed_command_says_its_version(installed: Path) -> None:
     assert "aiohttp" not in listed and "pytest" not in listed  # runtime dependencies only
 
 
+def test_the_emulators_say_they_need_the_lab_extra(installed: Path) -> None:
+    result = subprocess.run([str(installed / "pd-extproc"), "emulate", "--role", "prefill"], capture_output=True,
+                            text=True, timeout=60, check=False, env=clean_environment())
+    assert result.returncode == 2
+    assert result.stderr == "pd-extproc emulate: the emulated engines need the lab extra, which is not installed: " \
+                            "pip install 'pd-extproc[lab]'\n"
+
+
 def test_the_installed_server_runs(installed: Path, tmp_path: Path) -> None:
     env = {**clean_environment(), "HOME": str(tmp_path),
            "PD_EXTPROC_GRPC_LISTEN": f"unix:{tmp_path}/extproc.sock", "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0"}
