@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
@@ -98,11 +99,6 @@ LAB_EXTRA_MISSING = ("pd-extproc emulate: the emulated engines need the lab extr
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc import emulator
 
-    try:
-        import aiohttp  # noqa: F401  (the emulators' HTTP stack: the `lab` extra, not a runtime dependency)
-    except ImportError:
-        sys.stderr.write(LAB_EXTRA_MISSING)
-        return EXIT_CONFIG
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
     args.side_channel = parse_address(args.side_channel, allow_port_zero=True)
@@ -280,6 +276,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; ``emulate`` also takes the chosen engine's own emulator options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     engine = None
+    # The emulators' HTTP stack is the `lab` extra, not a runtime dependency; their options import it.
+    if argv[:1] == ["emulate"] and importlib.util.find_spec("aiohttp") is None:
+        sys.stderr.write(LAB_EXTRA_MISSING)
+        sys.exit(EXIT_CONFIG)
     if argv[:1] == ["emulate"]:
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--engine", default="vllm")
