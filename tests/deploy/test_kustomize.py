@@ -4,6 +4,7 @@ checked in test_validation.py, the wiring in test_consistency.py for every overl
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import pytest
@@ -151,3 +152,18 @@ def test_monitors_scrape_named_ports_of_what_they_select(manifests: Manifests) -
     assert pods["spec"]["selector"]["matchLabels"].items() <= prefill["metadata"]["labels"].items()
     vllm_ports = {p["name"] for p in manifests.container("pd-prefill", "vllm")["ports"]}
     assert {e["port"] for e in pods["spec"]["podMetricsEndpoints"]} <= vllm_ports
+
+
+def test_the_gateway_proxies_are_trusted_sources(manifests: Manifests, k8s_settings: Settings) -> None:
+    """The peers that reach both Envoy and the picker are the gateway's proxies: the ones that set
+    x-prefiller-host-port. An address range among them must be inside PD_EXTPROC_TRUSTED_SOURCES, or
+    Envoy drops the header from them and every request goes decode-only."""
+    envoy_peers = manifests.get("NetworkPolicy", "pd-decode")["spec"]["ingress"][0]["from"]
+    picker_rules = manifests.get("NetworkPolicy", "pd-epp")["spec"]["ingress"]
+    proxies = [peer for rule in picker_rules for peer in rule["from"] if peer in envoy_peers]
+    for peer in proxies:
+        if "ipBlock" in peer:
+            block = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+            assert any(block.subnet_of(trusted) for trusted in k8s_settings.trusted_sources  # type: ignore[arg-type]
+                       if trusted.version == block.version), peer
+    assert bool(proxies) == (provider(manifests) != "")
