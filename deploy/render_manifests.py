@@ -8,7 +8,7 @@ Targets and what each renders (a later settings file overrides an earlier one, a
 - compose-ENGINE, for ENGINE in vllm, sglang, trtllm: envoy/pd-extproc.env + envoy/engine.ENGINE.env
   -> envoy/envoy.ENGINE.yaml (what ``pd-extproc envoy-config`` prints for those settings;
   docker-compose.yaml mounts the one of PD_ENGINE into the Envoy container)
-- k8s: k8s/pd-extproc.env -> k8s/pd-extproc-config.yaml (ConfigMap ``pd-extproc-settings`` with the
+- k8s: k8s/base/pd-extproc.env -> k8s/base/pd-extproc-config.yaml (ConfigMap ``pd-extproc-settings`` with the
   variables, ConfigMap ``pd-envoy`` with the Envoy bootstrap rendered from them)
 
 The Envoy bootstrap always comes from ``extproc.envoy.bootstrap.render_yaml``: nothing here knows a port,
@@ -40,8 +40,8 @@ SETTINGS_CONFIGMAP = "pd-extproc-settings"
 COMPOSE_DIR = REPO / "envoy"
 COMPOSE_SETTINGS = COMPOSE_DIR / "pd-extproc.env"
 COMPOSE_ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE in envoy/docker-compose.yaml; vllm is the default
-K8S_SETTINGS = REPO / "k8s" / "pd-extproc.env"
-K8S_CONFIG = REPO / "k8s" / "pd-extproc-config.yaml"
+K8S_SETTINGS = REPO / "k8s" / "base" / "pd-extproc.env"
+K8S_CONFIG = REPO / "k8s" / "base" / "pd-extproc-config.yaml"
 _LABELS = {"app.kubernetes.io/part-of": "pd-extproc", "app.kubernetes.io/component": "decode"}
 
 

