@@ -188,12 +188,15 @@ compose-docker docker-stage: export DOCKER_CONFIG := $(DOCKER_CONFIG_DIR)
 compose-docker: install docker-tools base-image wheelhouse
 	$(BIN)/python -m tests.compose.docker_daemon --log $(DOCKER_LOG) -- $(MAKE) --no-print-directory docker-stage
 
-# Needs a running dockerd (compose-docker brings one). The base image: podman's copy when it has one
-# (podman save | docker load: 9 s), else made as for podman.
-docker-stage: export PD_COMPOSE := docker compose
-docker-stage: export PD_CONTAINER_ENGINE := docker
-docker-stage:
-	docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || ! podman image exists $(BASE_IMAGE) || \
+# These two need a running dockerd (compose-docker brings one). The base image in Docker: podman's copy
+# when podman has one (podman save | docker load), else made as for podman (mmdebstrap | docker import).
+.PHONY: docker-base-image
+docker-base-image:
+	docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || ! podman image exists $(BASE_IMAGE) 2>/dev/null || \
 		bash -o pipefail -c 'podman save $(BASE_IMAGE) | docker load --quiet'
 	$(call import_base_image,docker)
+
+docker-stage: export PD_COMPOSE := docker compose
+docker-stage: export PD_CONTAINER_ENGINE := docker
+docker-stage: docker-base-image
 	$(BIN)/python -m pytest -m compose tests/compose

@@ -236,11 +236,13 @@ def running(log: Path) -> Iterator[str]:
         return
     before = host_state()
     started = time.monotonic()
-    process = start(log)
     try:
-        yield f"dockerd (pid {process.pid}) started in {time.monotonic() - started:.1f} s, log {log}"
+        process = start(log)  # a dockerd that exits at start may have made docker0 and its chains already
+        try:
+            yield f"dockerd (pid {process.pid}) started in {time.monotonic() - started:.1f} s, log {log}"
+        finally:
+            stop(process, log)
     finally:
-        stop(process, log)
         for command in restore(before):
             sys.stderr.write(f"docker_daemon: {command}\n")
 
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             return subprocess.run(args.command, check=False).returncode
     except DaemonError as exc:
-        sys.stderr.write(f"docker_daemon: {exc}\n")
+        earlier = exc.__context__  # e.g. dockerd failed to start, and then the host could not be put back
+        sys.stderr.write(f"docker_daemon: {exc}\n" + (f"docker_daemon: {earlier}\n" if earlier else ""))
         return 1
 
 

@@ -1,8 +1,8 @@
 """One running envoy/docker-compose.yaml project, driven the way README drives it.
 
-The compose command is PD_COMPOSE (the Makefile sets podman-compose from .venv-compose; ``docker
-compose`` works too) and the container CLI for the final "nothing left" check is
-PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime and handed to the compose
+The compose command is PD_COMPOSE (the Makefile sets podman-compose from .venv-compose for the
+suite, and ``docker compose`` for `make compose-docker`) and the container CLI for the final
+"nothing left" check is PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime and handed to the compose
 file through its PD_*_PORT variables; everything the tests observe goes through those ports.
 """
 

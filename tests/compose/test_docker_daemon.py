@@ -7,7 +7,13 @@ the podman compose stage.
 
 from __future__ import annotations
 
-from tests.compose.docker_daemon import HostState, differences, parse_save, undo
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.compose import docker_daemon
+from tests.compose.docker_daemon import HostState, differences, main, parse_save, undo
 
 BEFORE = """\
 *filter
@@ -126,3 +132,30 @@ def test_differences_lists_what_is_left_and_nothing_once_put_back() -> None:
                          "iptables -t filter chain DOCKER-ISOLATION-STAGE-2", "iptables -t nat chain DOCKER",
                          "iptables -t filter policy FORWARD DROP (was ACCEPT)", "net.ipv4.ip_forward=1 (was 0)"}
     assert differences(before, before) == []
+
+
+def test_a_daemon_that_cannot_start_fails_the_stage_with_its_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """dockerd exits at once (as it does on a host it cannot run on): exit status 1, the reason and
+    dockerd's own words on stderr, the command never runs, and the host is put back all the same
+    (restore is replaced here: this test must not touch the host's network)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, script in {"docker": "exit 1",  # no daemon answers
+                         "dockerd": "echo 'failed to start daemon: planted failure' >&2; exit 1"}.items():
+        (fake / name).write_text(f"#!/bin/sh\n{script}\n")
+        (fake / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    restored: list[HostState] = []
+
+    def restore(before: HostState) -> list[str]:  # instead of this host's network
+        restored.append(before)
+        return []
+
+    monkeypatch.setattr(docker_daemon, "restore", restore)
+    ran = tmp_path / "ran"
+    assert main(["--log", str(tmp_path / "dockerd.log"), "--", "touch", str(ran)]) == 1
+    err = capsys.readouterr().err
+    assert "dockerd exited 1 before answering" in err and "failed to start daemon: planted failure" in err
+    assert not ran.exists()
+    assert len(restored) == 1, "what a failed dockerd left is put back too"
