@@ -2,8 +2,9 @@
 
 The compose command is PD_COMPOSE (the Makefile sets podman-compose from .venv-compose for the
 suite, and ``docker compose`` for `make compose-docker`) and the container CLI for the final
-"nothing left" check is PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime and handed to the compose
-file through its PD_*_PORT variables; everything the tests observe goes through those ports.
+"nothing left" check is PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime
+and handed to the compose file through its PD_*_PORT variables; everything the tests observe goes
+through those ports.
 """
 
 from __future__ import annotations
