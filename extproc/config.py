@@ -76,6 +76,8 @@ class Settings:
     log_level: str = "info"
     demo: bool = False
     prefill_fallback: str = "off"
+    trust_client_steering: bool = False
+    unsupported_variants: str = "refuse"
     decode_queue_limit: int = 0  # 0 = off
     decode_queue_interval: float = 1.0
     # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
@@ -177,6 +179,14 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("prefill_fallback", choice(("off", "aggregated")),
                 "off, or aggregated: when the prefill worker is unreachable, too slow or answers 5xx, the local "
                 "decode worker serves the request whole (marked x-pd-fallback: aggregated); never for request errors"),
+    SettingSpec("unsupported_variants", choice(("refuse", "aggregated")),
+                "refuse (400 unsupported_pd_variant), or aggregated: a P/D request that disaggregation cannot serve as "
+                "sent (n other than 1, a batch of prompts) goes to the local decode worker exactly as sent, marked "
+                "x-pd-fallback: aggregated; reason=unsupported_pd_variant; not offered for sglang"),
+    SettingSpec("trust_client_steering", parse_bool,
+                "true turns the client guard off: a client may then send the fields and headers that make an "
+                "engine pull KV from a host of its choosing or hold KV (README, Security); only where every "
+                "client is trusted"),
     SettingSpec("decode_queue_limit", non_negative_int,
                 "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode worker has "
                 "more than this many requests waiting; 0 = off"),
@@ -244,6 +254,9 @@ def check_consistency(settings: Settings) -> list[str]:
         problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
         if settings.prefill_fallback != "off" and engine.no_fallback:
             problems.append(f"prefill_fallback: adapter {settings.adapter} cannot fall back: {engine.no_fallback}")
+        if settings.unsupported_variants != "refuse" and engine.no_fallback:
+            problems.append(f"unsupported_variants: adapter {settings.adapter} cannot serve a request whole: "
+                            f"{engine.no_fallback}")
         if settings.decode_queue_limit and engine.decode_queue is None:
             problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
     if settings.prefill_connect_timeout > settings.prefill_deadline:

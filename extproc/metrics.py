@@ -40,6 +40,7 @@ class RequestRecord:
     body_bytes: int | None = None
     prefill_response_bytes: int | None = None
     handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    prefill_error: str | None = None  # the prefill engine's own message, when its error was relayed
     fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
     decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
     done: bool = False  # logged and counted
