@@ -58,8 +58,10 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> ClientRequest:
-    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse."""
+def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int,
+                         allow_unsupported: bool = False) -> ClientRequest:
+    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse.
+    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused."""
     endpoint = endpoint_of(path)
     if len(raw) > max_bytes:
         raise PdError(Code.REQUEST_TOO_LARGE)
@@ -74,9 +76,11 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
     members = jsonspan.unique_members(raw)
     if members is None:  # we refuse rather than guess which duplicate the engine sees
         raise PdError(Code.INVALID_REQUEST_BODY)
-    unsupported = _check_fields(endpoint, body)
-    return ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
-                         unsupported=unsupported)
+    request = ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
+                            unsupported=_check_fields(endpoint, body))
+    if not allow_unsupported:
+        refuse_unsupported(request)
+    return request
 
 
 def refuse_unsupported(request: ClientRequest) -> None:

@@ -159,7 +159,8 @@ class PdProcessor:
         adapter = self._adapter
         assert adapter is not None
         try:
-            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
+            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes,
+                                           allow_unsupported=True)
             refuse_reserved(request.body, adapter.reserved_fields)
             refuse_steering(request.body, frozenset(field.name for field in adapter.reserved_fields))
             if request.unsupported is not None:
