@@ -1,7 +1,8 @@
 """PD_EXTPROC_PREFILL_FALLBACK=aggregated: when the prefill worker is unreachable, too slow or answers
 5xx, the local decode worker serves the request whole (the client's own body), and the response says
-so (x-pd-fallback: aggregated; reason=<the failure's code>), as do the log line and a metric. A failure that is about the request
-(a 4xx from prefill, a bad target, a refused field) or about the handoff never falls back. Off (the
+so (x-pd-fallback: aggregated; reason=<the failure's code>), as do the log line and a metric. A
+failure that is about the request (a 4xx from prefill, a bad target, a refused field) or about the
+handoff never falls back. Off (the
 default) keeps today's errors: tests/e2e/test_failures.py."""
 
 from __future__ import annotations
