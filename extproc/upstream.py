@@ -35,6 +35,8 @@ from extproc.metrics import RequestRecord
 from extproc.prefill_policy import PrefillPolicy, first_allowed
 from extproc.prefill_target import PrefillTarget
 from extproc.transport import Bounds, ResolvedTarget
+from extproc.upstream_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
+from extproc.upstream_error import RELAYED_STATUSES
 
 # An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
 # (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in
@@ -178,7 +180,7 @@ class PrefillClient:
                 record.prefill_status = head.status
             content_type = head.get("content-type")
             if head.status != 200:
-                return PrefillReply(head.status, content_type, b"")
+                return PrefillReply(head.status, content_type, await self._error_body(connection, head, gap))
             try:
                 body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
             except http1.BodyTooLarge:
@@ -197,6 +199,16 @@ class PrefillClient:
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
                 connection.close()
+
+    async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
+        """An error answer's body, only where it may be the engine's own error about the request
+        (upstream_error.py); empty when it is not, too large or not complete. Never reused after."""
+        if head.status not in RELAYED_STATUSES:
+            return b""
+        try:
+            return await connection.read_body(head, min(RELAYED_MAX_BODY_BYTES, self._limits.max_response_bytes), gap)
+        except (http1.BodyTooLarge, OSError):
+            return b""
 
     def _pooled(self, key: _PoolKey) -> http1.Connection | None:
         """The most recently used idle connection to ``key`` that is still open and fresh."""
