@@ -8,8 +8,10 @@ requests through each, interleaved over rounds:
     ours                 the rendered bootstrap as shipped (ext_proc disabled by default, enabled by route pd;
                          the Lua client guard on route passthrough, extproc/envoy_guard.py)
     no-guard             PD_EXTPROC_TRUST_CLIENT_STEERING=true: the bootstrap without the client guard
-    json-to-metadata     the guard as json_to_metadata + RBAC instead of Lua (the rejected candidate: README,
-                         "Design notes"; measured for its cost only, it does not see what it must)
+    lua-empty            the guard's Lua filter with an empty envoy_on_request (the filter's own cost)
+    lua-body             ... that only buffers the body (handle:body())
+    json-to-metadata     the guard as json_to_metadata + RBAC (shadow rules) instead of Lua: the rejected
+                         candidate (README, "Design notes"), measured for its cost only
     per-route-disabled   ext_proc in the chain for every request, disabled on route passthrough by
                          ExtProcPerRoute (what we shipped before issue 17)
     no-access-log        without the JSON access log
@@ -98,8 +100,10 @@ def _json_to_metadata_guard(config: Config) -> None:
         if http_filter["name"] == LUA_FILTER:
             filters.append({"name": "envoy.filters.http.json_to_metadata", "typed_config": {
                 "@type": _JSON_TO_METADATA, "request_rules": {"rules": rules, "allow_empty_content_type": True}}})
+            # shadow_rules: evaluated, never enforced. At Envoy 1.40 an on_present with a constant value is
+            # applied to every body that parses (no presence check), so enforced rules would refuse all.
             filters.append({"name": "envoy.filters.http.rbac", "typed_config": {
-                "@type": _RBAC, "rules": {"action": "DENY", "policies": policies}}})
+                "@type": _RBAC, "shadow_rules": {"action": "DENY", "policies": policies}}})
         else:
             filters.append(http_filter)
     _hcm(config)["http_filters"] = filters
@@ -111,8 +115,21 @@ def _json_to_metadata_guard(config: Config) -> None:
                                     "disabled": True}
 
 
+def _lua(source: str) -> Callable[[Config], None]:
+    """Swap the guard's Lua source: what the Lua filter costs by itself, and with the body buffered."""
+    def edit(config: Config) -> None:
+        from extproc.envoy_guard import LUA_FILTER
+
+        for http_filter in _hcm(config)["http_filters"]:
+            if http_filter["name"] == LUA_FILTER:
+                http_filter["typed_config"]["default_source_code"] = {"inline_string": source}
+    return edit
+
+
 VARIANTS: dict[str, list[Callable[[Config], None]]] = {
     "ours": [],
+    "lua-empty": [_lua("function envoy_on_request(handle) end")],
+    "lua-body": [_lua("function envoy_on_request(handle) local body = handle:body() end")],
     "no-guard": [],  # rendered with PD_EXTPROC_TRUST_CLIENT_STEERING=true
     "json-to-metadata": [_json_to_metadata_guard],
     "per-route-disabled": [_per_route_disabled],

@@ -257,7 +257,7 @@ def test_passthrough_refuses_a_body_that_steers_the_engine(
      "invalid_request_body"),
     ("two-content-types", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
      [("content-type", "text/plain"), ("content-type", "application/json")], 415, "unsupported_media_type"),
-], ids=lambda value: value if isinstance(value, str) else None)
+], ids=["escaped-key", "duplicate-key", "utf-16", "two-content-types"])
 def test_passthrough_guard_cannot_be_read_differently_from_the_engine(
         stack: Stack, case: str, raw: bytes, headers: Any, status: int, code: str) -> None:
     """CPython's json (what FastAPI runs) decodes escaped keys, keeps the last duplicate and reads UTF-16;
