@@ -83,7 +83,7 @@ def test_a_prefill_failure_that_is_not_the_requests_is_served_whole_by_decode(
 
 
 @pytest.mark.parametrize("case,headers,behaviour,body,status,code", [
-    ("prefill-4xx", {}, {"status": 400}, chat_body(), 400, "prefill_upstream_error"),
+    ("prefill-4xx", {}, {"status": 403}, chat_body(), 403, "prefill_upstream_error"),
     ("prefill-3xx", {}, {"status": 302}, chat_body(), 502, "prefill_upstream_error"),
     ("invalid-handoff", {}, {"kv_set": {"tp_size": 0}}, chat_body(), 502, "invalid_prefill_handoff"),
     ("forbidden-target", {"x-prefiller-host-port": "169.254.169.254:80"}, None, chat_body(), 403,
