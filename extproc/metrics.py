@@ -72,7 +72,8 @@ class Metrics:
                               registry=self.registry)
         self.fallbacks = Counter(
             "pd_extproc_prefill_fallbacks",
-            "P/D requests served whole by the decode worker after a prefill failure, by that failure's code.",
+            "P/D requests served whole by the decode worker, by reason: the prefill failure's code, or "
+            "unsupported_pd_variant (PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated).",
             ["adapter", "reason"], registry=self.registry)
         self.decode_queue = Gauge(
             "pd_extproc_decode_queue_waiting",
