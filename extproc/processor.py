@@ -331,7 +331,7 @@ class PdProcessor:
     def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
                       metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
         overridden = {name for name, _ in decision.headers}
-        remove = sorted(name for name in adapter.reserved_headers if name not in overridden)
+        remove = sorted(name for name in adapter.reserved_headers | STEERING_HEADER_NAMES if name not in overridden)
         return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
 
     def _leave(self) -> None:

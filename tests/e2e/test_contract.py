@@ -317,3 +317,15 @@ def test_the_pd_route_refuses_every_engines_steering_fields_too(stack: Stack, fi
     error = assert_error(post(stack, CHAT, chat_body(**{field: value})), 400, "reserved_request_field")
     assert error["param"] == (field if field != "vllm_xargs" else "vllm_xargs.kv_transfer_params")
     assert_no_leg_ran(stack)
+
+
+def test_the_pd_route_keeps_the_steering_headers_from_both_legs(stack: Stack) -> None:
+    """Whatever the adapter: a client's x-override-bootstrap-* or x-trtllm-disagg-auth reaches neither
+    leg (the trtllm adapter signs decode's request with its own)."""
+    assert post(stack, CHAT, chat_body(max_tokens=3), **STEERING_HEADERS).status_code == 200
+    assert eventually(lambda: len(stack.prefill.requests()) == 1)
+    prefill, decode = only(stack.prefill.requests()), only(stack.decode.requests())
+    assert not {name for name, _ in prefill["headers"]} & STEERING_HEADERS.keys()
+    received = dict(decode["headers"])
+    assert not received.keys() & (STEERING_HEADERS.keys() - {"x-trtllm-disagg-auth"})
+    assert received.get("x-trtllm-disagg-auth") != STEERING_HEADERS["x-trtllm-disagg-auth"]
