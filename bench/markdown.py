@@ -33,7 +33,8 @@ SYSTEM_DESCRIPTIONS = {
     "direct-prefill": "client -> the set's prefill worker, max_tokens 16, no KV params (reference: the prefill "
                       "worker's own cost, non-streaming only)",
     "envoy": "client -> plain Envoy (router filter only) -> decode (\"Envoy alone\")",
-    "passthrough": "client -> our Envoy bootstrap (render_yaml), no x-prefiller-host-port -> decode",
+    "passthrough": "client -> our Envoy bootstrap (render_yaml, the client guard on), no x-prefiller-host-port "
+                   "-> decode",
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
     "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "

@@ -10,7 +10,7 @@ and the systems of a set:
   direct            the client talks to the decode worker (the floor)
   direct-prefill    the client talks to the prefill worker (the prefill leg's own floor, reference only)
   envoy             plain Envoy, router filter only ("Envoy alone")
-  passthrough       our Envoy bootstrap (render_yaml), request without x-prefiller-host-port
+  passthrough       our Envoy bootstrap (render_yaml, with the client guard), request without x-prefiller-host-port
   pd-extproc        our Envoy bootstrap + ``pd-extproc serve``, request with x-prefiller-host-port
   pd-extproc-x2     the same with two ``pd-extproc serve`` processes, Envoy balancing streams over their
                     two Unix sockets (cheap set only: what a second core buys)

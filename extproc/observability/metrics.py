@@ -39,6 +39,7 @@ class RequestRecord:
     prefill: ExchangeTimings = field(default_factory=ExchangeTimings)  # the prefill leg, as the transport saw it
     body_bytes: int | None = None
     handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    prefill_error: str | None = None  # the prefill engine's own message, when its error was relayed
     fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
     decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
     done: bool = False  # logged and counted
@@ -73,7 +74,8 @@ class Metrics:
                               registry=self.registry)
         self.fallbacks = Counter(
             "pd_extproc_prefill_fallbacks",
-            "P/D requests served whole by the decode worker after a prefill failure, by that failure's code.",
+            "P/D requests served whole by the decode worker, by reason: the prefill failure's code, or "
+            "unsupported_pd_variant (PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated).",
             ["adapter", "reason"], registry=self.registry)
         self.decode_queue = Gauge(
             "pd_extproc_decode_queue_waiting",

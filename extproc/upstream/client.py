@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from extproc.core.prefill_policy import PrefillPolicy, first_allowed
+from extproc.core.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
+from extproc.core.relayed_error import RELAYED_STATUSES
 from extproc.errors import Code, PdError
 from extproc.upstream import http1
 from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
@@ -175,7 +177,7 @@ class WorkerClient:
                 timings.status = head.status
             content_type = head.get("content-type")
             if head.status != 200:
-                return WorkerReply(head.status, content_type, b"")
+                return WorkerReply(head.status, content_type, await self._error_body(connection, head, gap))
             try:
                 body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
             except http1.BodyTooLarge:
@@ -194,6 +196,16 @@ class WorkerClient:
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
                 connection.close()
+
+    async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
+        """An error answer's body, only where it may be the engine's own error about the request
+        (upstream_error.py); empty when it is not, too large or not complete. Never reused after."""
+        if head.status not in RELAYED_STATUSES:
+            return b""
+        try:
+            return await connection.read_body(head, min(RELAYED_MAX_BODY_BYTES, self._limits.max_response_bytes), gap)
+        except (http1.BodyTooLarge, OSError):
+            return b""
 
     def _pooled(self, key: _PoolKey) -> http1.Connection | None:
         """The most recently used idle connection to ``key`` that is still open and fresh."""
