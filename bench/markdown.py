@@ -10,12 +10,12 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router",
-                "sglang-router")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc",
+                "pd-extproc-x2", "vllm-router", "smg")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
-    "cheap-sglang": "Cheap SGLang-shaped workers: pd-extproc's sglang adapter vs sglang-router",
+    "cheap-sglang": "Cheap SGLang-shaped workers: pd-extproc's sglang adapter vs smg",
     "emulated": "Emulated vLLM workers with a KV ledger (proves every handoff was consumed; the workers cost "
                 "about as much as the proxies)",
 }
@@ -38,9 +38,14 @@ SYSTEM_DESCRIPTIONS = {
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
     "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "
                      "both Unix sockets as endpoints, round robin per stream; cheap workers only)",
+    "floor-cxx": "client -> our Envoy bootstrap (route pd, x-prefiller-host-port set) + a compiled ext_proc server "
+                 "that does nothing (bench/floor/ext_proc_floor.cc, grpc++ callback API): continue on the headers, "
+                 "the same body back with its content-length -> decode (the design's floor; cheap workers only)",
+    "floor-aio": "the same with a grpc.aio servicer that does nothing (bench/floor/aio.py: our grpcio, uvloop, "
+                 "server options and Unix socket): our transport's floor",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
-    "sglang-router": "client -> sglang-router 0.3.2 `launch --pd-disaggregation --log-level warn` -> prefill and "
-                     "decode at once, with bootstrap fields (cheap-sglang workers only)",
+    "smg": "client -> smg 1.13 (Shepherd Model Gateway, which replaced sglang-router) `launch --pd-disaggregation "
+           "--log-level warn` -> prefill and decode at once, with bootstrap fields (cheap-sglang workers only)",
 }
 
 
@@ -160,7 +165,34 @@ def validity(summary: dict[str, Any]) -> list[str]:
 
 def targets(summary: dict[str, Any]) -> list[str]:
     rows = [[v["target"], v["measured"], "met" if v["met"] else "**missed**", v["by"]] for v in summary["verdicts"]]
-    return ["## Targets (issue 17, item 3)", "", *_table(["target", "measured", "verdict", "margin"], rows), ""]
+    return ["## Targets (issue 28, item 3: the first four rows; then issue 17's)", "",
+            *_table(["target", "measured", "verdict", "margin"], rows), ""]
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def floors(summary: dict[str, Any]) -> list[str]:
+    """Our server against its two floors and the peer, per point of the cheap set."""
+    found = summary.get("floors") or []
+    if not found:
+        return []
+    rows = [[r["body"], str(r["concurrency"]), _number(r["server_us"]), _number(r["floor_aio_server_us"]),
+             f"**{_number(r['own_work_us'])}**", _x(r["server_over_aio"]), _number(r["floor_cxx_server_us"]),
+             _number(r["total_us"]), _number(r["floor_cxx_total_us"]), _x(r["total_over_cxx"]),
+             _number(r.get("peer_total_us")), _x(r.get("total_over_peer")), _x(r["rps_over_cxx"]),
+             _x(r.get("rps_over_peer")), _ms(r["added_p50_ms"]), _ms(r["floor_aio_added_p50_ms"]),
+             _ms(r["floor_cxx_added_p50_ms"])] for r in found]
+    return ["## Our own work above the floors (cheap workers)", "",
+            "CPU µs per request. \"Our own work\" = `pd-extproc`'s server CPU minus `floor-aio`'s (the same grpc.aio "
+            "transport doing nothing, behind the same Envoy shape, in the same run): what our Python does per P/D "
+            "request. \"Total\" = server + the Envoy in front of it (for vllm-router: its one process). The floors "
+            "run no prefill leg, so the difference also holds the prefill client's CPU.", "",
+            *_table(["mode", "c", "server", "floor-aio server", "our own work", "server / floor-aio",
+                     "floor-cxx server", "total", "floor-cxx total", "total / floor-cxx", "vllm-router",
+                     "total / vllm-router", "req/s / floor-cxx", "req/s / vllm-router", "added p50 ms",
+                     "floor-aio added p50", "floor-cxx added p50"], rows), ""]
 
 
 def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str]:
@@ -193,7 +225,7 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
+    proxies = ("envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
@@ -382,7 +414,7 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
-    lines = [*header(results, command), *validity(summary), *targets(summary),
+    lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]

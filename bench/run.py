@@ -37,7 +37,8 @@ from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, chat_body, write_bodies
 from extproc.emulator.worker import EmulatedWorker
 
-LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
+LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2",
+                   "vllm-router", "smg")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
 LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
