@@ -203,11 +203,20 @@ def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str
     return lines
 
 
+# The SGLang-side peer before smg replaced it, from `make bench` at c206eb2 (2026-12-01, AMD EPYC, 2 cores).
+SGLANG_ROUTER_HISTORY = (
+    "History: sglang-router 0.3.2, the peer here until smg 1.13 replaced it, measured by `make bench` at c206eb2 "
+    "on an AMD EPYC with 2 cores: non-stream added p50 at c=1 0.33 ms, 3,974 req/s at c=64, 341 µs CPU per "
+    "request at c=64; stream added p50 at c=1 43.93 ms (it held every streamed response for ~43 ms), 1,445 req/s "
+    "at c=64. pd-extproc in the same run: non-stream 2.72 ms, 604 req/s, 1,812 µs + Envoy 830 µs.")
+
+
 def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> list[str]:
     cells = _ordered(_of_set(summary["latency"], workers))
     headline = workers == "cheap"
-    lines = [f"## {SET_TITLES[workers]}", "", f"### Added latency over direct decode, p50 / p99 (ms), {workers}", "",
-             NOISE_NOTE, ""]
+    lines = [f"## {SET_TITLES[workers]}", "",
+             *([SGLANG_ROUTER_HISTORY, ""] if workers == "cheap-sglang" else []),
+             f"### Added latency over direct decode, p50 / p99 (ms), {workers}", "", NOISE_NOTE, ""]
     columns = ["system", *[f"c={level}" for level in levels]]
     for body in ("non-stream", "stream"):
         systems = [s for s in SYSTEM_ORDER if s != "direct"]

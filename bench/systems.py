@@ -39,6 +39,7 @@ import yaml
 
 from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
+from bench.workload import MODEL as WORKLOAD_MODEL
 from extproc import process
 from extproc.config import load_settings
 from extproc.envoy_config import EXT_PROC_CLUSTER, render_yaml
@@ -156,7 +157,10 @@ class Fleet:
                 self.tools.smg, "launch", "--pd-disaggregation",
                 "--prefill", worker_set.prefill.url, str(SGLANG_BOOTSTRAP_PORT), "--decode", worker_set.decode.url,
                 "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-                "--worker-startup-check-interval", "1", "--log-level", "warn"])
+                "--worker-startup-check-interval", "1", "--log-level", "warn",
+                # smg routes by model id: the workers serve "cheap", the benchmark's requests name the
+                # workload's model (sglang-router 0.3.2 did not look).
+                "--model-alias", f"{WORKLOAD_MODEL}=cheap"])
 
     def stop(self) -> None:
         for worker_set in self.sets.values():
