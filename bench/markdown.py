@@ -422,9 +422,27 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def stage_budget(results: dict[str, Any]) -> list[str]:
+    data = results.get("stages") or {}
+    if not data:
+        return []
+    from bench.stages import StageResult, table
+    result = StageResult(**data)
+    return ["## Our server's CPU per P/D request, stage by stage (bench/stages.py)", "",
+            f"Measured in the benchmark's own process after the latency rounds: our servicer, processor, vllm_nixl "
+            f"adapter and prefill client built from Settings as `pd-extproc serve` builds them, fed the two ext_proc "
+            f"messages of a non-streaming P/D request as bytes (no gRPC), {result.requests} requests one at a time "
+            f"against the cheap prefill worker, {len(result.repeats)} runs (the median shown; totals "
+            + ", ".join(f"{v:.0f}" for v in result.repeats) + " µs). CPU is the thread's clock around each stage, "
+            "excluding stages nested in it; \"stream loop and glue\" is the total minus every stage. Not included: "
+            "grpc.aio's own work per message (see floor-aio above). Tracing off.", "",
+            *_table(["stage", "CPU µs/request", "share", "wall µs/request", "calls/request"], table(result)), ""]
+
+
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
     lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
-             *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]
+             *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
+             *stage_budget(results)]
     return "\n".join(lines) + "\n"
