@@ -160,6 +160,7 @@ def _stage_targets(server: Any) -> list[tuple[object, str, str]]:
         (type(server.metrics.inflight), "inc", "metrics"),
         (type(server.metrics.inflight), "dec", "metrics"),
         (processor.log, "info", "log line"),
+        (logs, "info", "log line"),
     ]
     for name, stage in (("prefill_body", "plan"), ("plan", "plan"), ("decode_body", "rewrite")):
         owner = adapter_module if name == "decode_body" else adapter_type

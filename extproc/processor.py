@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc import envoy_messages as msg
+from extproc import logs
 from extproc.adapters.base import (
     Adapter,
     AnswerDirectly,
@@ -355,7 +356,7 @@ class PdProcessor:
             extra["decode_aborted"] = record.decode_aborted
         if record.fallback_reason is not None:
             extra["fallback_reason"] = record.fallback_reason
-        log.info("pd_request", extra=extra)
+        logs.info(log, "pd_request", extra)
 
 
 def _ms(seconds: float | None) -> float | None:
