@@ -130,6 +130,8 @@ def _patched(clock: StageClock, targets: list[tuple[object, str, str]]) -> Itera
     saved = []
     try:
         for owner, attribute, stage in targets:
+            if not hasattr(owner, attribute):  # an older or newer layout of the code: not that stage's
+                continue
             original = inspect.getattr_static(owner, attribute)
             saved.append((owner, attribute, original))
             setattr(owner, attribute, _timed(clock, stage, getattr(owner, attribute)))
