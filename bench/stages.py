@@ -210,6 +210,7 @@ class StageResult:
     wall_us: dict[str, float]
     calls: dict[str, float]  # per request
     repeats: list[float]  # total CPU µs per request of each repeat (the median one is reported)
+    instrumentation_us: float = 0.0  # per request: the timed calls' own cost, inside these figures
 
 
 async def _measure(prefill_url: str, requests: int, adapter: str, stream: bool, repeats: int) -> StageResult:
@@ -246,9 +247,30 @@ async def _measure(prefill_url: str, requests: int, adapter: str, stream: bool, 
     wall_us = {stage: chosen.wall_ns[stage] / per for stage in STAGES}
     cpu_us[GLUE] = cpu / per - sum(v for k, v in cpu_us.items() if k != GLUE)
     wall_us[GLUE] = wall / per - sum(v for k, v in wall_us.items() if k != GLUE)
-    return StageResult(requests, adapter, stream, cpu / per, wall / per, cpu_us, wall_us,
-                       {stage: chosen.calls[stage] / requests for stage in STAGES},
-                       [run[0] / per for run in runs])
+    calls = {stage: chosen.calls[stage] / requests for stage in STAGES}
+    return StageResult(requests, adapter, stream, cpu / per, wall / per, cpu_us, wall_us, calls,
+                       [run[0] / per for run in runs], _instrumentation_cost() * sum(calls.values()))
+
+
+def _instrumentation_cost(samples: int = 20000) -> float:
+    """CPU µs one timed call adds (a wrapped call of nothing inside a stage, minus the bare call)."""
+    clock = StageClock()
+
+    def nothing() -> None:
+        return None
+
+    timed = _timed(clock, GLUE, nothing)
+    best = float("inf")
+    for _ in range(5):
+        started = time.thread_time_ns()
+        for _ in range(samples):
+            timed()
+        wrapped = time.thread_time_ns() - started
+        started = time.thread_time_ns()
+        for _ in range(samples):
+            nothing()
+        best = min(best, (wrapped - (time.thread_time_ns() - started)) / samples / 1e3)
+    return best
 
 
 async def _check(replies: list[pb.ProcessingResponse]) -> None:
@@ -297,7 +319,8 @@ def render(result: StageResult) -> str:
     spread = ", ".join(f"{value:.0f}" for value in result.repeats)
     return "\n".join(lines) + (f"\n\n{result.requests} sequential {'streaming' if result.stream else 'non-streaming'} "
                                f"P/D requests per run, {result.adapter} adapter; total CPU µs/request of each run: "
-                               f"{spread} (the median run is shown).")
+                               f"{spread} (the median run is shown). The timing itself costs about "
+                               f"{result.instrumentation_us:.0f} µs/request, spread over the stages and the glue.")
 
 
 def main(argv: list[str] | None = None) -> int:
