@@ -120,6 +120,8 @@ class PdProcessor:
         self._fallback = fallback
         self._tracing = tracing
         self._nonce = nonce
+        # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
+        metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name if adapter is not None else "none"
         discovery_headers = adapter.discovery_headers if adapter is not None else ()
         self._server_info = ServerInfoCache(transport, discovery_headers,
@@ -163,7 +165,6 @@ class PdProcessor:
             if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
                 raise target  # only a sequential flow can serve a request whole
             self._admission.enter()
-            self._metrics.inflight.inc()
             if isinstance(adapter, ConcurrentAdapter):
                 assert not isinstance(target, PdError)
                 return await self._start_concurrent(adapter, head, request, target, record)
@@ -321,7 +322,6 @@ class PdProcessor:
 
     def _leave(self) -> None:
         self._admission.leave()
-        self._metrics.inflight.dec()
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
