@@ -21,8 +21,11 @@ _STRUCTURAL = re.compile(rb'["\[\]{}]')
 # A nested value up to this long is measured by orjson (C) instead of the scanner below: parsing the
 # rest of the document from the value's first byte stops with "unexpected content after document"
 # exactly where the value (and the whitespace after it) ends. orjson reports that place in characters,
-# which are bytes only in ASCII text, so only an ASCII window is measured this way.
-_WINDOW = 1 << 16
+# which are bytes only in ASCII text, so only an ASCII window is measured this way. Each try parses
+# (and, failing, copies into its error) up to a window of what follows, so a document gets at most
+# _MEASURE_BUDGET bytes of tries: many nested members cannot make it quadratic.
+_WINDOW = 8 << 10
+_MEASURE_BUDGET = 64 << 10
 _AFTER_DOCUMENT = "unexpected content after document"
 _CLOSING = {ord("{"): ord("}"), ord("["): ord("]")}
 _PLAIN_KEY = re.compile(rb'"([^"\\]*+)"[ \t\r\n]*+:[ \t\r\n]*+')  # a key without escapes
@@ -57,7 +60,7 @@ def _string_end(raw: bytes, pos: int) -> int:
         start = quote + 1
 
 
-def _value_end(raw: bytes, pos: int) -> int:
+def _value_end(raw: bytes, pos: int, measure: bool = False) -> int:
     first = raw[pos:pos + 1]
     if first == b'"':
         return _string_end(raw, pos)
@@ -65,7 +68,7 @@ def _value_end(raw: bytes, pos: int) -> int:
         match = _SCALAR.match(raw, pos)
         assert match is not None
         return match.end()
-    measured = _measured_end(raw, pos)
+    measured = _measured_end(raw, pos) if measure else None
     if measured is not None:
         return measured
     depth = 0
@@ -106,6 +109,7 @@ def members(raw: bytes) -> list[Member]:
     found: list[Member] = []
     if raw[pos:pos + 1] == b"}":
         return found
+    budget = _MEASURE_BUDGET
     while True:
         plain = _PLAIN_KEY.match(raw, pos)
         if plain is not None:  # one match for the key, the colon and the whitespace around it
@@ -115,7 +119,9 @@ def members(raw: bytes) -> list[Member]:
             key = raw[pos:key_end]
             value_start = _skip_ws(raw, _skip_ws(raw, key_end) + 1)
             name = key[1:-1].decode() if b"\\" not in key else orjson.loads(key)
-        end = _value_end(raw, value_start)
+        end = _value_end(raw, value_start, budget > 0)
+        if raw[value_start] in _CLOSING:
+            budget -= _WINDOW
         found.append(Member(name, pos, value_start, end))
         separator = _SEPARATOR.match(raw, end)
         assert separator is not None
