@@ -128,17 +128,27 @@ dist: packaging-tools
 	$(PACKAGING_VENV)/bin/twine check --strict dist/*
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
-# virtualenv: vllm-router 0.1.17 and sglang-router 0.3.2 (the peers), matplotlib (the plot) and py-spy
-# (the profile), all pinned in bench/requirements.txt; the load generator is Debian's wrk.
+# virtualenv: vllm-router 0.1.17 and smg 1.13 (the peers), matplotlib (the plot) and py-spy (the
+# profile), all pinned in bench/requirements.txt; the load generator is Debian's wrk. The compiled
+# floor (bench/floor) is built with Debian's grpc++ from the xds-protos wheel's descriptors.
 BENCH_VENV := .venv-bench
+BENCH_APT := wrk g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+FLOOR_BIN := .cache/bench-floor/ext_proc_floor
 
 $(BENCH_VENV)/.installed: bench/requirements.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q -r bench/requirements.txt
 	touch $@
 
-bench: install $(BENCH_VENV)/.installed
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+.PHONY: bench-tools
+bench-tools: $(VENV)/.installed
+	@for tool in wrk g++ pkg-config protoc grpc_cpp_plugin; do command -v $$tool >/dev/null || missing=yes; done; \
+	pkg-config --exists grpc++ protobuf || missing=yes; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(BENCH_APT); fi
+	$(BIN)/python -m bench.floor.build $(dir $(FLOOR_BIN))
+
+bench: install $(BENCH_VENV)/.installed bench-tools
 	$(BIN)/python -m bench
 
 clean:

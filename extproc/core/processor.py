@@ -44,6 +44,7 @@ from extproc.core.prefill_target import HEADER, parse_prefill_target
 from extproc.core.steering import STEERING_HEADER_NAMES, refuse_steering
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
+from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
 from extproc.upstream.decode_queue import DecodeQueueWatch
 from extproc.upstream.discovery import ServerInfoCache
@@ -122,6 +123,8 @@ class PdProcessor:
         self._serve_unsupported = serve_unsupported
         self._tracing = tracing
         self._nonce = nonce
+        # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
+        metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
@@ -173,7 +176,6 @@ class PdProcessor:
             if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
                 raise target  # only a sequential flow can serve a request whole
             self._admission.enter()
-            self._metrics.inflight.inc()
             if isinstance(adapter, ConcurrentAdapter):
                 assert not isinstance(target, PdError)
                 return await self._start_concurrent(adapter, head, request, target, record)
@@ -335,7 +337,6 @@ class PdProcessor:
 
     def _leave(self) -> None:
         self._admission.leave()
-        self._metrics.inflight.dec()
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
@@ -374,7 +375,7 @@ class PdProcessor:
             extra["fallback_reason"] = record.fallback_reason
         if record.prefill_error is not None:
             extra["prefill_error"] = record.prefill_error
-        log.info("pd_request", extra=extra)
+        logs.info(log, "pd_request", extra)
 
 
 def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:

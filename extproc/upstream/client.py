@@ -40,6 +40,7 @@ from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, 
 # srt/environ.py, uvicorn's default), so we do not send a request into a connection the worker is
 # closing. A POST that met such a close is never retried: the prefill may have run.
 KEEPALIVE_SECONDS = 4.0
+CHECKED_TARGETS_MAX = 1024  # IP targets already allowed by the (fixed) policy, kept to skip its check
 
 
 class Phase(Enum):
@@ -95,6 +96,7 @@ class WorkerClient:
         self._policy = policy
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
+        self._checked: dict[WorkerAddress, ResolvedTarget] = {}
         self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
         self._swept = time.monotonic()
         self._open = True
@@ -109,9 +111,15 @@ class WorkerClient:
     async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:
-            if not self._policy.allows_address(target.ip, target.port):
-                raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
-            return ResolvedTarget(target, target.ip)
+            checked = self._checked.get(target)
+            if checked is None:
+                if not self._policy.allows_address(target.ip, target.port):
+                    raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
+                checked = ResolvedTarget(target, target.ip)
+                if len(self._checked) >= CHECKED_TARGETS_MAX:
+                    self._checked.clear()
+                self._checked[target] = checked
+            return checked
         name_allowed = self._policy.allows_name(target.host, target.port)
         try:
             async with asyncio.timeout(self._limits.connect_timeout):
