@@ -11,7 +11,7 @@ requests through each, interleaved over rounds:
     lua-empty            the guard's Lua filter with an empty envoy_on_request (the filter's own cost)
     lua-body             ... that only buffers the body (handle:body())
     json-to-metadata     the guard as json_to_metadata + RBAC (shadow rules) instead of Lua: the rejected
-                         candidate (README, "Design notes"), measured for its cost only
+                         candidate (docs/decisions.md), measured for its cost only
     per-route-disabled   ext_proc in the chain for every request, disabled on route passthrough by
                          ExtProcPerRoute (what we shipped before issue 17)
     no-access-log        without the JSON access log

@@ -151,7 +151,7 @@ def _ext_proc_filter(settings: Settings) -> dict[str, Any]:
         "message_timeout": format_duration(settings.message_timeout),
         "processing_mode": {
             # SEND, not SKIP + CEL attributes: with the headers phase skipped, Envoy never calls us for a
-            # body-less POST, which then reaches decode without a handoff (README, "Design notes").
+            # body-less POST, which then reaches decode without a handoff (docs/decisions.md).
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
             "request_trailer_mode": "SKIP",

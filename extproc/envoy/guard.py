@@ -5,7 +5,7 @@ Envoy's Lua filter scans a body the engine would read as JSON (guard.lua) and re
 member with the P/D route's documented 400 ``reserved_request_field`` (``param`` = the member's dotted
 path); it fails closed (400 ``invalid_request_body`` for a body it cannot follow, 415
 ``unsupported_media_type`` for a repeated or comma-joined content-type). The passthrough route removes
-the steering headers. Why Lua and not ``json_to_metadata`` + RBAC: README, "Design notes".
+the steering headers. Why Lua and not ``json_to_metadata`` + RBAC: docs/decisions.md.
 """
 
 from __future__ import annotations

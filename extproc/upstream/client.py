@@ -14,7 +14,7 @@ A host name is resolved here, once per request, and we connect to the address th
 a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/upstream/http1.py on
 an asyncio Protocol, with a keep-alive pool per (address, port, TLS name): no proxies, no redirects,
 no decompression, no cookies. It replaced aiohttp, which replaced httpx; each was measured on the same
-worker (README, "Design notes").
+worker (docs/decisions.md).
 """
 
 from __future__ import annotations
