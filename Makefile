@@ -157,8 +157,9 @@ clean:
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
-# `make manifests` regenerates envoy/envoy.yaml and k8s/base/pd-extproc-config.yaml from the settings
-# files envoy/pd-extproc.env and k8s/base/pd-extproc.env; tests/deploy fails while they are stale.
+# `make manifests` regenerates envoy/envoy.{vllm,sglang,trtllm}.yaml and k8s/base/pd-extproc-config.yaml
+# from the settings files envoy/pd-extproc.env + envoy/engine.*.env and k8s/base/pd-extproc.env;
+# tests/deploy fails while they are stale.
 .PHONY: manifests deploy-tools deploy-check
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests

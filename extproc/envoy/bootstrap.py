@@ -5,7 +5,7 @@ ext_proc; every other request takes route "passthrough", where our server is nev
 filter is disabled by default in the connection manager and enabled by the pd route alone, so Envoy does
 not even build the filter for a passthrough request (a route that disables it with ExtProcPerRoute would
 still build it, and pay for it, on every request).
-See research notes in PROTOCOL.md ("Envoy contract") for why each value is set.
+PROTOCOL.md §2 ("Envoy contract") says why each value is set.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ touched. Otherwise this records the host state dockerd changes, starts ``dockerd
 overlay2, the default bridge, iptables) in its own session with its output in FILE, waits until
 ``docker info`` answers, runs COMMAND, stops dockerd by its PID (SIGTERM; dockerd stops the
 containerd it started) and then undoes what dockerd leaves behind when it stops (measured with
-Debian's docker.io 20.10.24: /work/shared/research/docker-real.md):
+Debian's docker.io 20.10.24 on this project's machines):
 
 - the chains it creates (DOCKER, DOCKER-USER, DOCKER-ISOLATION-STAGE-1/2) and every rule that jumps
   to them or names its bridges, in every iptables/ip6tables table;
