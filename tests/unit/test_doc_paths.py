@@ -38,7 +38,7 @@ from tests.harness import REPO
 
 OUR_ROOTS = ("extproc", "pd_extproc_lab", "tests", "deploy", "k8s", "envoy", "bench", "docs", ".ci", "wheelhouse")
 PATH = re.compile(r"(?<![\w./@:-])((?:" + "|".join(re.escape(r) for r in OUR_ROOTS)
-                  + r")/[\w.*${}<>,/-]*)")
+                  + r")/(?!\d)[\w.*${}<>,/-]*)")  # extproc/0 is a name (Envoy Gateway's filter), not a path
 MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 # Another repository's file, cited with its pin: `path @ v1.2.3`, `path` @ `0123abc`, owner/repo's path.
 FOREIGN = re.compile(r"@ ?`?[\w .-]{0,20}\d|\b[\w-]+/[\w.-]+ (?:PR )?#?\d|github\.com/|\bin (?:the )?upstream\b")
@@ -144,6 +144,7 @@ def test_the_scanner_finds_the_citations_it_is_meant_to_check() -> None:
     ("see `extproc/cli.py`, then tests/unit/test_docs.py.", ["extproc/cli.py", "tests/unit/test_docs.py"]),
     ("`envoy/envoy.{vllm,sglang}.yaml`", ["envoy/envoy.{vllm,sglang}.yaml"]),
     ("vllm/envs.py and pkg/sidecar/proxy/x.go", []),  # not one of our folders
+    ("the picker `extproc/0`, ours `extproc/1`", []),
 ])
 def test_the_path_pattern(line: str, expected: list[str]) -> None:
     assert [p.rstrip(TRAILING) for p in PATH.findall(line)] == expected
