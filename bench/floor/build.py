@@ -102,7 +102,7 @@ def _compile(sources: list[Path], gen: Path, work: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[1]) if len(argv) > 1 else HERE.parents[1] / ".cache" / "bench-floor"
+    out = (Path(argv[1]) if len(argv) > 1 else HERE.parents[1] / ".cache" / "bench-floor").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(build(out))
     return 0
