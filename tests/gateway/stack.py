@@ -141,8 +141,8 @@ def gateway_stack() -> Iterator[GatewayStack]:
         stack.workers = start_workers(specs, log_dir, READY_TIMEOUT, env)
         picker.start()
         for index in range(REPLICAS):
-            stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], {**env, **settings_env(settings)},
-                                                       log_dir)))
+            server_env = {**env, **settings_env(settings)}
+            stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], server_env, log_dir)))
             stack.replicas[-1].start()
         config = log_dir / "envoy.yaml"
         bootstrap = gateway_bootstrap(settings, f"127.0.0.1:{picker.port}", [r.grpc for r in stack.replicas])
