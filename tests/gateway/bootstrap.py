@@ -11,10 +11,10 @@ Followed (envoyproxy/ai-gateway @ c217da8a, 2026-08-21; envoyproxy/gateway golde
   certificate);
 - the picker's filter is inserted immediately before the router, after every filter Envoy Gateway
   rendered (post_translate_modify.go:640-688 ``patchListenerWithInferencePoolFilters``), and disabled
-  per route on routes to no pool (post_translate_modify.go:690-720);
+  per route on routes to no pool (post_translate_modify.go:690-728);
 - the pool's cluster: ORIGINAL_DST, CLUSTER_PROVIDED, connect_timeout 10s, ``original_dst_lb_config``
   ``use_http_header: true`` on ``x-gateway-destination-endpoint`` (post_cluster_modify.go:67-96); the
-  route keeps the host (``auto_host_rewrite: false``, post_route_modify.go:38-48);
+  route keeps the host (``auto_host_rewrite: false``, post_route_modify.go:40-48);
 - an EnvoyExtensionPolicy ext_proc filter is rendered ``disabled: true`` in the connection manager and
   enabled per route with an empty FilterConfig (envoyproxy/gateway internal/xds/translator/testdata/
   out/xds-ir/ext-proc.listeners.yaml @ 0fa0c9f9; per-route ``config: {}`` as in the aibrix and

@@ -3,11 +3,14 @@ P/D request is handled exactly as in sidecar mode (extproc/gateway.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
 from extproc.gateway import PASSTHROUGH_MODE
 from extproc.headers import PICKER_HEADERS
+from tests.helpers import closed_port
 from tests.servicer.test_servicer import CHAT, Harness, body_message, error_of, headers_message, run
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -80,3 +83,20 @@ def test_sidecar_mode_never_passes_through() -> None:
         assert error_of(responses[0]) == (400, "invalid_prefill_target")
 
     run(test)
+
+
+def test_the_aggregated_fallback_sends_the_clients_request_to_the_picked_decode() -> None:
+    """Gateway mode's fallback: the body reply carries the client's request without a handoff and no
+    destination of ours; Envoy sends it where the picker already chose."""
+    async def test(h: Harness) -> None:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+        responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": f"127.0.0.1:{closed_port()}"}),
+                                     body_message(body))
+        assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+        common = responses[1].request_body.response
+        assert json.loads(common.body_mutation.body) == body
+        assert dict(responses[1].dynamic_metadata)["pd_extproc"]["fallback"] == "aggregated"
+        assert not common.clear_route_cache
+        assert not {m.header.key for m in common.header_mutation.set_headers} & {"x-gateway-destination-endpoint"}
+
+    run(test, **GATEWAY, PD_EXTPROC_PREFILL_FALLBACK="aggregated")

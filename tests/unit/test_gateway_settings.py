@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from extproc.config import ConfigError, load_settings
 
@@ -26,3 +27,20 @@ def test_the_aggregated_fallback_is_allowed_in_gateway_mode() -> None:
     """It sends the client's body to the decode endpoint the picker chose (docs/gateway.md)."""
     settings = load_settings({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_PREFILL_FALLBACK": "aggregated"}, {})
     assert settings.prefill_fallback == "aggregated"
+
+
+def test_envoy_config_in_gateway_mode_renders_only_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import EXIT_CONFIG, main
+
+    assert main(["envoy-config"], {"PD_EXTPROC_MODE": "gateway"}) == EXIT_CONFIG
+    assert "use --parts" in capsys.readouterr().err
+    assert main(["envoy-config", "--parts", "--route-name", "httproute/llm/r/rule/0/match/0/*"],
+                {"PD_EXTPROC_MODE": "gateway"}) == 0
+    parts = yaml.safe_load(capsys.readouterr().out)
+    config = parts["http_filters"][0]["typed_config"]
+    assert config["allow_mode_override"] is True and config["failure_mode_allow"] is False
+    assert config["allowed_override_modes"] == [{"request_header_mode": "SEND", "request_trailer_mode": "SKIP",
+                                                 "response_header_mode": "SKIP", "response_trailer_mode": "SKIP"}]
+    assert "disabled" not in parts["http_filters"][0]
+    assert all("xds.route_name == 'httproute/llm/r/rule/0/match/0/*'" in m["filter"]["extension_filter"]
+               ["typed_config"]["expression"] for m in parts["local_reply_mappers"])
