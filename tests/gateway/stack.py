@@ -130,9 +130,11 @@ class GatewayStack:
 
 
 @contextlib.contextmanager
-def gateway_stack() -> Iterator[GatewayStack]:
+def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = REPLICAS) -> Iterator[GatewayStack]:
+    """The stack; ``env_settings`` adds PD_EXTPROC_* settings for the replicas."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-gateway-"))
-    settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0"})
+    settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0",
+                              **(env_settings or {})})
     env = without_settings(os.environ)
     specs = [WorkerSpec("prefill", "prefill"), *(WorkerSpec(name, "decode") for name in DECODES)]
     picker = PickerServer()
@@ -140,7 +142,7 @@ def gateway_stack() -> Iterator[GatewayStack]:
     try:
         stack.workers = start_workers(specs, log_dir, READY_TIMEOUT, env)
         picker.start()
-        for index in range(REPLICAS):
+        for index in range(replicas):
             server_env = {**env, **settings_env(settings)}
             stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], server_env, log_dir)))
             stack.replicas[-1].start()

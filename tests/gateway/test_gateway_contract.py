@@ -80,6 +80,19 @@ def test_a_pd_stream_is_relayed_from_the_picked_decode(gw: GatewayStack) -> None
     assert len(gw.prefill.requests()) == 1
 
 
+def test_a_client_dropping_a_pd_stream_ends_the_decode_request(gw: GatewayStack) -> None:
+    """Through both ext_proc filters (the picker still processes the response body, full duplex), a
+    client that leaves mid-stream makes Envoy end the decode request."""
+    gw.pick("decode-b")
+    gw.decode("decode-b").script({"token_interval": 0.05})
+    body = chat_body(stream=True, max_tokens=400)
+    with gw.client() as client, client.stream("POST", CHAT, content=json.dumps(body), headers=JSON) as response:
+        lines = response.iter_lines()
+        first = [next(lines) for _ in range(3)]
+    assert first[0].startswith("data: ")
+    assert gw.decode("decode-b").wait("disconnected"), "decode must see the stream end"
+
+
 def test_a_large_pd_request_crosses_the_gateways_32_kib_connection_buffer_intact(gw: GatewayStack) -> None:
     """Envoy Gateway's listeners buffer 32 KiB per connection; the inference route's buffer limit lets
     our filter take a whole 1 MiB body, and both legs get it intact."""
