@@ -122,12 +122,18 @@ def gateway_route_additions(settings: Settings) -> dict[str, Any]:
     }
 
 
+# The picker's decode choice (GIE endpoint-picker protocol). Envoy AI Gateway's pool cluster routes on
+# this header (ORIGINAL_DST, use_http_header): a client's own copy must never survive to the router.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
 def early_header_mutation() -> dict[str, Any]:
     """For the gateway's connection manager (``early_header_mutation_extensions``): drop a client's own
-    picker headers before any filter runs, so only the picker sets x-prefiller-host-port."""
+    picker headers before any filter runs, so only the picker sets x-prefiller-host-port and the decode
+    destination."""
+    names = sorted(PICKER_HEADERS | {DESTINATION_HEADER})
     return {"name": "envoy.http.early_header_mutation.header_mutation",
-            "typed_config": {_TYPE: _EARLY_MUTATION,
-                             "mutations": [{"remove": name} for name in sorted(PICKER_HEADERS)]}}
+            "typed_config": {_TYPE: _EARLY_MUTATION, "mutations": [{"remove": name} for name in names]}}
 
 
 def gateway_parts(settings: Settings, route_name: str) -> dict[str, Any]:

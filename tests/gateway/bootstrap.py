@@ -35,6 +35,7 @@ from typing import Any
 from extproc.config import Settings
 from extproc.envoy.bootstrap import EXT_PROC_FILTER
 from extproc.envoy.parts import (
+    DESTINATION_HEADER,
     early_header_mutation,
     gateway_filter,
     gateway_route_additions,
@@ -49,7 +50,6 @@ PD_FILTER = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{NAMESPACE}/pd-ex
 POOL_CLUSTER = f"httproute/{NAMESPACE}/llm-generate/rule/0"
 ROUTE = f"httproute/{NAMESPACE}/llm-generate/rule/0/match/0/*"
 OTHER_ROUTE = f"httproute/{NAMESPACE}/status/rule/0/match/0/*"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PICKER_STAT, PD_STAT = "epp", "pd_extproc"
 
 _TYPE = "@type"

@@ -123,13 +123,16 @@ def test_a_decode_only_pick_passes_through_untouched_after_one_headers_message(g
     assert gw.metric('pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}') == requests, "not a P/D request"
 
 
-def test_a_clients_own_prefill_header_never_reaches_the_picker_or_us(gw: GatewayStack) -> None:
-    """The connection manager drops the client's x-prefiller-host-port before any filter (early header
-    mutation): with a decode-only pick the request passes through and no prefill leg runs."""
+def test_a_clients_own_routing_headers_never_reach_the_picker_or_us(gw: GatewayStack) -> None:
+    """The connection manager drops the client's x-prefiller-host-port and decode destination before
+    any filter (early header mutation): with a decode-only pick the request passes through to the
+    picked decode and no prefill leg runs."""
     gw.pick("decode-a", pd=False)
-    response = post(gw, CHAT, chat_body(max_tokens=2), **{"x-prefiller-host-port": gw.prefill.address})
+    spoofed = {"x-prefiller-host-port": gw.prefill.address,
+               "x-gateway-destination-endpoint": gw.decode("decode-c").address}
+    response = post(gw, CHAT, chat_body(max_tokens=2), **spoofed)
     assert response.status_code == 200 and response.headers["x-emulator-worker"] == "decode-a"
-    assert "x-prefiller-host-port" not in gw.picker.picker.seen[-1].headers
+    assert not set(spoofed) & set(gw.picker.picker.seen[-1].headers)
     assert gw.prefill.requests() == []
     assert "kv_transfer_params" not in only(gw.decode("decode-a").requests())["json"]
 
