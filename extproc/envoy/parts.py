@@ -96,7 +96,7 @@ def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> d
 
 def gateway_filter(settings: Settings) -> dict[str, Any]:
     """Our ext_proc filter for the gateway's chain: the sidecar's filter, plus the one mode override the
-    server sends for a request that is not P/D (extproc/gateway.py). Enabled (not disabled): it must run
+    server sends for a request that is not P/D (extproc/envoy/gateway.py). Enabled (not disabled): it must run
     on every request of the inference route, never per route by the picker's header."""
     bootstrap = render(settings)
     ext_proc = _named(bootstrap, EXT_PROC_FILTER, "typed_config")

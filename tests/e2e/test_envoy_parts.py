@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from extproc import ready
-from extproc.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
-from extproc.process import Child, EnvoyProcess, python_child
-from extproc.stack import without_settings
+from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
+from pd_extproc_lab.process import Child, EnvoyProcess, python_child
+from pd_extproc_lab.stack import without_settings
 from tests.harness import READY_TIMEOUT, TEST_DEFAULTS, envoy_bin
 from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, closed_port, only
 

@@ -82,7 +82,7 @@ def picker_filter() -> dict[str, Any]:
 
 
 def _pd_filter(settings: Settings) -> dict[str, Any]:
-    """Our gateway filter (envoy_parts.gateway_filter) under an EnvoyExtensionPolicy's name, disabled in
+    """Our gateway filter (extproc/envoy/parts.py gateway_filter) under an EnvoyExtensionPolicy's name, disabled in
     the connection manager and enabled by the inference route, as Envoy Gateway renders a policy."""
     ext_proc = gateway_filter(settings)
     ext_proc["name"] = PD_FILTER

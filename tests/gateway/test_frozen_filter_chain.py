@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.process import EnvoyProcess
+from pd_extproc_lab.process import EnvoyProcess
 from tests.gateway.bootstrap import PD_FILTER, ROUTE
 from tests.gateway.stack import GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import post, served

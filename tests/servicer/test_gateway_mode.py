@@ -1,5 +1,5 @@
 """Gateway mode at the message level: what the server answers a request that is not P/D, and that a
-P/D request is handled exactly as in sidecar mode (extproc/gateway.py)."""
+P/D request is handled exactly as in sidecar mode (extproc/envoy/gateway.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from extproc.gateway import PASSTHROUGH_MODE
-from extproc.headers import PICKER_HEADERS
+from extproc.core.headers import PICKER_HEADERS
+from extproc.envoy.gateway import PASSTHROUGH_MODE
 from tests.helpers import closed_port
 from tests.servicer.test_servicer import CHAT, Harness, body_message, error_of, headers_message, run
 
