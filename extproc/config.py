@@ -89,8 +89,8 @@ class Settings:
     protocol: str = setting("", text_value, "protocol pin of the adapter; empty = the adapter's default pin")
     mode: str = setting(
         "sidecar", choice(MODES), "sidecar (our Envoy in the decode pod, P/D route by header) or gateway (an "
-        "ext_proc of the gateway's Envoy after the endpoint picker: a request without x-prefiller-host-port "
-        "passes through untouched after one headers message)")
+        "ext_proc of the gateway's Envoy after the endpoint picker: a request that is not P/D passes through "
+        "untouched)")
     grpc_listen: Address = setting(
         Address("127.0.0.1", 50051), lambda t: parse_address(t, allow_unix=True, allow_port_zero=True),
         "ext_proc gRPC listen address: host:port or unix:/path")

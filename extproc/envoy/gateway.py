@@ -4,12 +4,13 @@ In gateway mode our ext_proc filter runs on the whole inference route of the gat
 after the endpoint picker's (docs/gateway.md). It cannot be enabled per route by a match on
 x-prefiller-host-port: the picker adds that header mid-chain, after Envoy has fixed the filter chain
 for the request, so such a route never enables the filter and every P/D request would reach decode
-without a handoff (envoyproxy/gateway#9444, envoyproxy/envoy#44739). So the server sees every request
-of the route and lets through, after its headers message, each one that is not a P/D request: the
-reply to the headers turns off the rest of the stream for this request (``mode_override``: no body,
-no response headers), and Envoy closes the stream after it. A P/D request is one the sidecar's pd
-route would match: POST to /v1/chat/completions or /v1/completions carrying the picker's
-x-prefiller-host-port.
+without a handoff (envoyproxy/gateway#9444, envoyproxy/envoy#44739). The rendered filter is wrapped in a
+matcher that skips it when the header is absent (envoy/parts.py), so the server sees requests with
+the header; it lets through, after their headers message, those that are not P/D (and, where a
+gateway runs the filter without the matcher, every request without the header): the reply to the
+headers turns off the rest of the stream (``mode_override``: no body, no response headers), and Envoy
+closes the stream after it. A P/D request is one the sidecar's pd route would match: POST to
+/v1/chat/completions or /v1/completions carrying the picker's x-prefiller-host-port.
 
 Envoy honours ``mode_override`` only with ``allow_mode_override`` in the filter, only on a headers
 reply, and only when the filter's configured body modes are not FULL_DUPLEX_STREAMED

@@ -21,6 +21,7 @@ from google.protobuf import json_format
 
 from extproc.config import Settings
 from extproc.core.headers import PICKER_HEADERS
+from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import (
     _EXT_PROC_PER_ROUTE,
     _FILTER_CONFIG,
@@ -94,17 +95,41 @@ def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> d
     }
 
 
-def gateway_filter(settings: Settings) -> dict[str, Any]:
-    """Our ext_proc filter for the gateway's chain: the sidecar's filter, plus the one mode override the
-    server sends for a request that is not P/D (extproc/envoy/gateway.py). Enabled (not disabled): it must run
-    on every request of the inference route, never per route by the picker's header."""
-    bootstrap = render(settings)
-    ext_proc = _named(bootstrap, EXT_PROC_FILTER, "typed_config")
-    ext_proc.pop("disabled", None)
-    config = ext_proc["typed_config"]
+_MATCHER = "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
+_HEADER_INPUT = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput"
+_SKIP_FILTER = "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"
+
+
+def gateway_ext_proc(settings: Settings) -> dict[str, Any]:
+    """Our ext_proc filter's config for the gateway: the sidecar's, plus the one mode override the server
+    sends for a request that is not P/D (extproc/envoy/gateway.py)."""
+    config = _named(render(settings), EXT_PROC_FILTER, "typed_config")["typed_config"]
     config["allow_mode_override"] = True
     config["allowed_override_modes"] = [json_format.MessageToDict(PASSTHROUGH_MODE, preserving_proto_field_name=True)]
-    return dict(ext_proc)
+    return dict(config)
+
+
+def gateway_filter(settings: Settings) -> dict[str, Any]:
+    """Our filter for the gateway's chain, right after the picker's, enabled on the whole inference route
+    (never per route on the picker's header: the route is chosen before the picker runs).
+
+    It is wrapped in a matcher (ExtensionWithMatcher) that skips it when the request has no
+    x-prefiller-host-port. The matcher runs when our filter's turn comes, after the picker set the header,
+    so a decode-only request never reaches our server (no stream; served even while pd-extproc is down)
+    and a P/D request always does. Measured on Envoy 1.40 (tests/gateway). The server's own passthrough
+    still answers a request that carries the header but is not P/D (another method or path)."""
+    header_present = {"single_predicate": {
+        "input": {"name": "x-prefiller-host-port", "typed_config": {_TYPE: _HEADER_INPUT,
+                                                                    "header_name": PREFILL_TARGET_HEADER}},
+        "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}}}}
+    return {"name": EXT_PROC_FILTER, "typed_config": {
+        _TYPE: _MATCHER,
+        "extension_config": {"name": EXT_PROC_FILTER, "typed_config": gateway_ext_proc(settings)},
+        "xds_matcher": {"matcher_list": {"matchers": [{
+            "predicate": {"not_matcher": header_present},
+            "on_match": {"action": {"name": "skip", "typed_config": {_TYPE: _SKIP_FILTER}}},
+        }]}},
+    }}
 
 
 def gateway_route_additions(settings: Settings) -> dict[str, Any]:

@@ -84,11 +84,12 @@ def picker_filter() -> dict[str, Any]:
 def _pd_filter(settings: Settings) -> dict[str, Any]:
     """Our gateway filter (extproc/envoy/parts.py gateway_filter) under an EnvoyExtensionPolicy's name, disabled in
     the connection manager and enabled by the inference route, as Envoy Gateway renders a policy."""
-    ext_proc = gateway_filter(settings)
-    ext_proc["name"] = PD_FILTER
-    ext_proc["disabled"] = True
-    ext_proc["typed_config"]["stat_prefix"] = PD_STAT
-    return ext_proc
+    wrapped = gateway_filter(settings)
+    wrapped["name"] = PD_FILTER
+    wrapped["disabled"] = True
+    wrapped["typed_config"]["extension_config"]["name"] = PD_FILTER
+    wrapped["typed_config"]["extension_config"]["typed_config"]["stat_prefix"] = PD_STAT
+    return wrapped
 
 
 def _inference_route(settings: Settings) -> dict[str, Any]:

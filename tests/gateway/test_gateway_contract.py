@@ -107,20 +107,33 @@ def test_a_large_pd_request_crosses_the_gateways_32_kib_connection_buffer_intact
 # --- a request that is not P/D passes through ----------------------------------------------------------
 
 
-def test_a_decode_only_pick_passes_through_untouched_after_one_headers_message(gw: GatewayStack) -> None:
+def test_a_decode_only_pick_reaches_the_picked_decode_untouched_without_calling_us(gw: GatewayStack) -> None:
+    """The matcher around our filter skips it when the picker set no x-prefiller-host-port."""
     gw.pick("decode-b", pd=False)
     raw = b'{"model": "emulated",  "prompt": "hi", "max_tokens": 3}'
-    streams, sent = gw.pd_streams(), gw.pd_messages_sent()
-    passthroughs = gw.metric("pd_extproc_gateway_passthroughs_total")
-    requests = gw.metric('pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}')
+    streams = gw.pd_streams()
     response = post(gw, COMPLETIONS, raw)
     assert response.status_code == 200 and response.headers["x-emulator-worker"] == "decode-b"
     assert gw.decode("decode-b").raw_body(only(gw.decode("decode-b").requests())["seq"]) == raw, "the client's bytes"
     assert gw.prefill.requests() == [], "the prefill leg must not run"
     assert served(gw) == {"decode-a": 0, "decode-b": 1, "decode-c": 0}
-    assert gw.pd_streams() == streams + 1 and gw.pd_messages_sent() == sent + 1, "one headers message, no body"
+    assert gw.pd_streams() == streams, "no stream to our server"
+
+
+def test_a_request_with_the_header_that_is_not_pd_passes_through_after_one_headers_message(gw: GatewayStack) -> None:
+    """The server's own passthrough: the picker set x-prefiller-host-port on a request that is not a P/D
+    POST; our server answers its headers message and Envoy sends it nothing more."""
+    gw.pick("decode-c")
+    streams, sent = gw.pd_streams(), gw.pd_messages_sent()
+    passthroughs = gw.metric("pd_extproc_gateway_passthroughs_total")
+    with gw.client() as client:
+        response = client.get("/v1/models")
+    assert response.status_code == 200
+    assert served(gw) == {"decode-a": 0, "decode-b": 0, "decode-c": 1}, "the picked decode"
+    assert gw.pd_streams() == streams + 1 and gw.pd_messages_sent() == sent + 1, "one headers message"
     assert gw.metric("pd_extproc_gateway_passthroughs_total") == passthroughs + 1
-    assert gw.metric('pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}') == requests, "not a P/D request"
+    assert gw.prefill.requests() == []
+    assert "x-prefiller-host-port" not in dict(only(gw.decode("decode-c").requests())["headers"])
 
 
 def test_a_clients_own_routing_headers_never_reach_the_picker_or_us(gw: GatewayStack) -> None:
@@ -216,17 +229,20 @@ def test_two_replicas_share_the_pd_requests_and_one_leaving_loses_none(gw: Gatew
 
 
 def test_pd_extproc_down_is_a_json_503_never_a_silent_decode(gw: GatewayStack) -> None:
-    """Every replica gone: a P/D request gets our JSON 503 and reaches no decode; so does a decode-only
-    request (our filter runs on the whole inference route and fails closed); the gateway's other routes
-    keep their own answers. P/D recovers once the replicas are back."""
+    """Every replica gone: a P/D request gets our JSON 503 and reaches no engine; a decode-only request
+    (our filter skipped) is still served by the picked decode; the gateway's other routes keep their
+    own answers. P/D recovers once the replicas are back."""
     for replica in gw.replicas:
         replica.child.stop(sig=signal.SIGKILL)
     try:
         gw.pick("decode-a")
         assert_error(post(gw, CHAT, chat_body()), 503, "pd_extproc_unavailable")
-        gw.pick("decode-a", pd=False)
-        assert_error(post(gw, CHAT, chat_body()), 503, "pd_extproc_unavailable")
         assert_nothing_reached_an_engine(gw)
+        gw.pick("decode-c", pd=False)
+        plain = post(gw, CHAT, chat_body(max_tokens=2))
+        assert plain.status_code == 200 and plain.headers["x-emulator-worker"] == "decode-c"
+        assert "kv_transfer_params" not in only(gw.decode("decode-c").requests())["json"]
+        assert gw.prefill.requests() == []
         with gw.client() as client:
             other = client.get("/status")
         assert other.status_code == 404 and other.text == "user's own 404", "another route's reply is its own"

@@ -37,7 +37,12 @@ def test_envoy_config_in_gateway_mode_renders_only_parts(capsys: pytest.CaptureF
     assert main(["envoy-config", "--parts", "--route-name", "httproute/llm/r/rule/0/match/0/*"],
                 {"PD_EXTPROC_MODE": "gateway"}) == 0
     parts = yaml.safe_load(capsys.readouterr().out)
-    config = parts["http_filters"][0]["typed_config"]
+    wrapper = parts["http_filters"][0]["typed_config"]
+    skip = wrapper["xds_matcher"]["matcher_list"]["matchers"]
+    assert len(skip) == 1 and skip[0]["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
+    assert skip[0]["predicate"]["not_matcher"]["single_predicate"]["input"]["typed_config"]["header_name"] == \
+        "x-prefiller-host-port", "skipped only when the picker set no prefill target"
+    config = wrapper["extension_config"]["typed_config"]
     assert config["allow_mode_override"] is True and config["failure_mode_allow"] is False
     assert config["allowed_override_modes"] == [{"request_header_mode": "SEND", "request_trailer_mode": "SKIP",
                                                  "response_header_mode": "SKIP", "response_trailer_mode": "SKIP"}]
