@@ -9,7 +9,7 @@ import dataclasses
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +129,19 @@ class GatewayStack:
             worker.stop()
 
 
+# (settings, the picker's host:port, the replicas' host:port, the decode workers' host:port) -> bootstrap
+Shape = Callable[[Settings, str, list[str], list[str]], dict[str, Any]]
+
+
+def _test_shape(settings: Settings, picker: str, replicas: list[str], decodes: list[str]) -> dict[str, Any]:
+    return gateway_bootstrap(settings, picker, replicas)
+
+
 @contextlib.contextmanager
-def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = REPLICAS) -> Iterator[GatewayStack]:
-    """The stack; ``env_settings`` adds PD_EXTPROC_* settings for the replicas."""
+def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = REPLICAS,
+                  shape: Shape = _test_shape) -> Iterator[GatewayStack]:
+    """The stack; ``env_settings`` adds PD_EXTPROC_* settings for the replicas, ``shape`` renders Envoy's
+    bootstrap (default: tests/gateway/bootstrap.py)."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-gateway-"))
     settings = load_settings({**TEST_DEFAULTS, "PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0",
                               **(env_settings or {})})
@@ -147,7 +157,8 @@ def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = RE
             stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], server_env, log_dir)))
             stack.replicas[-1].start()
         config = log_dir / "envoy.yaml"
-        bootstrap = gateway_bootstrap(settings, f"127.0.0.1:{picker.port}", [r.grpc for r in stack.replicas])
+        bootstrap = shape(settings, f"127.0.0.1:{picker.port}", [r.grpc for r in stack.replicas],
+                          [stack.workers[name].address for name in DECODES])
         config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         stack.envoy = EnvoyProcess.launch(envoy_bin(), config, log_dir)
         stack.url = "http://" + stack.envoy.wait_ready(READY_TIMEOUT)
