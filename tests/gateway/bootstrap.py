@@ -20,11 +20,12 @@ Followed (envoyproxy/ai-gateway @ c217da8a, 2026-08-21; envoyproxy/gateway golde
   out/xds-ir/ext-proc.listeners.yaml @ 0fa0c9f9; per-route ``config: {}`` as in the aibrix and
   ai-gateway charts that patch EG routes); the listener's per-connection buffer is EG's default 32 KiB
   (same file, ``perConnectionBufferLimitBytes: 32768``).
-Where pd-extproc's filter sits: after the picker, before the router. Envoy Gateway alone would put an
-EnvoyExtensionPolicy filter before the picker (the picker goes last, see above), where it would never
-see x-prefiller-host-port; this order is what an EnvoyPatchPolicy moving our filter after the picker
-produces (docs/gateway.md). Our filter is enabled on the whole inference route, never per route on the
-picker's header (the filter chain is fixed before the picker runs: such a route would never enable it).
+Where pd-extproc's filter sits: after the picker, before the router, as `envoy-config --parts` renders
+it (in its matcher). Envoy AI Gateway itself cannot put a filter there (docs/gateway-chains.md); this
+order is what Istio's EnvoyFilter or an Envoy of your own gives. What ships for Envoy Gateway is run
+by test_shipped_shape.py. Our filter is enabled on the whole inference route, never per route on the
+picker's header (the filter chain is fixed before the picker runs: such a route would never enable
+it; test_frozen_filter_chain.py).
 """
 
 from __future__ import annotations
