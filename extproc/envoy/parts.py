@@ -25,18 +25,17 @@ from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import (
     _EXT_PROC_PER_ROUTE,
     _FILTER_CONFIG,
-    _LOCAL_REPLY_RULES,
     _TYPE,
     DECODE_CLUSTER,
     EXT_PROC_CLUSTER,
     EXT_PROC_FILTER,
     FALLBACK_HEADER,
-    _cel_filter,
+    _local_reply_config,
     render,
 )
 from extproc.envoy.gateway import PASSTHROUGH_MODE
+from extproc.envoy.guard import guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
-from extproc.errors import SPEC
 
 SIDECAR_ROUTE = "pd"  # the bootstrap's P/D route; the parts keep its name (the timing loggers' CEL uses it)
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
@@ -61,23 +60,12 @@ def _named(bootstrap: dict[str, Any], name: str, having: str) -> dict[str, Any]:
 
 
 def local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
-    """Envoy's own local replies on ``route_name`` -> our JSON errors; nothing on any other route.
-    Our ImmediateResponses (details "pd_*") already carry their JSON body and are left alone."""
-    mappers = []
-    for condition, code, keep_status in _LOCAL_REPLY_RULES:
-        spec = SPEC[code]
-        mapper: dict[str, Any] = {
-            "filter": _cel_filter(f"xds.route_name == '{route_name}' && "
-                                  f"!response.code_details.startsWith('pd_') && ({condition})"),
-            "body_format_override": {
-                "json_format": {"error": {"message": spec.message, "type": spec.type, "param": None,
-                                          "code": code.value}},
-                "content_type": "application/json",
-            },
-        }
-        if not keep_status:
-            mapper["status_code"] = spec.status
-        mappers.append(mapper)
+    """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
+    replies left alone), each also conditioned on ``route_name``: nothing on any other route."""
+    mappers: list[dict[str, Any]] = copy.deepcopy(_local_reply_config()["mappers"])
+    for mapper in mappers:
+        config = mapper["filter"]["extension_filter"]["typed_config"]
+        config["expression"] = f"xds.route_name == '{route_name}' && ({config['expression']})"
     return mappers
 
 
@@ -118,18 +106,30 @@ def gateway_filter(settings: Settings) -> dict[str, Any]:
     so a decode-only request never reaches our server (no stream; served even while pd-extproc is down)
     and a P/D request always does. Measured on Envoy 1.40 (tests/gateway). The server's own passthrough
     still answers a request that carries the header but is not P/D (another method or path)."""
-    header_present = {"single_predicate": {
-        "input": {"name": "x-prefiller-host-port", "typed_config": {_TYPE: _HEADER_INPUT,
-                                                                    "header_name": PREFILL_TARGET_HEADER}},
-        "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}}}}
-    return {"name": EXT_PROC_FILTER, "typed_config": {
-        _TYPE: _MATCHER,
-        "extension_config": {"name": EXT_PROC_FILTER, "typed_config": gateway_ext_proc(settings)},
-        "xds_matcher": {"matcher_list": {"matchers": [{
-            "predicate": {"not_matcher": header_present},
-            "on_match": {"action": {"name": "skip", "typed_config": {_TYPE: _SKIP_FILTER}}},
-        }]}},
-    }}
+    return {"name": EXT_PROC_FILTER, "typed_config": _skipped_when(
+        {"not_matcher": _PREFILL_HEADER_PRESENT}, EXT_PROC_FILTER, gateway_ext_proc(settings))}
+
+
+_PREFILL_HEADER_PRESENT = {"single_predicate": {
+    "input": {"name": PREFILL_TARGET_HEADER, "typed_config": {_TYPE: _HEADER_INPUT,
+                                                              "header_name": PREFILL_TARGET_HEADER}},
+    "value_match": {"safe_regex": {"google_re2": {}, "regex": ".+"}}}}
+
+
+def _skipped_when(predicate: dict[str, Any], name: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {_TYPE: _MATCHER, "extension_config": {"name": name, "typed_config": config},
+            "xds_matcher": {"matcher_list": {"matchers": [{
+                "predicate": predicate,
+                "on_match": {"action": {"name": "skip", "typed_config": {_TYPE: _SKIP_FILTER}}}}]}}}
+
+
+def gateway_guard_filter() -> dict[str, Any]:
+    """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
+    requests our server does not see: put right after the picker, it runs only when the picker set no
+    x-prefiller-host-port (a P/D request's body is checked by our server)."""
+    guard = guard_filter()
+    return {"name": guard["name"], "typed_config": _skipped_when(_PREFILL_HEADER_PRESENT, guard["name"],
+                                                                 guard["typed_config"])}
 
 
 def gateway_route_additions(settings: Settings) -> dict[str, Any]:
@@ -156,7 +156,8 @@ def early_header_mutation() -> dict[str, Any]:
     """For the gateway's connection manager (``early_header_mutation_extensions``): drop a client's own
     picker headers before any filter runs, so only the picker sets x-prefiller-host-port and the decode
     destination."""
-    names = sorted(PICKER_HEADERS | {DESTINATION_HEADER})
+    # The steering headers too: only our server may send one (a TensorRT-LLM signature) to an engine.
+    names = sorted(PICKER_HEADERS | {DESTINATION_HEADER, *stripped_headers()})
     return {"name": "envoy.http.early_header_mutation.header_mutation",
             "typed_config": {_TYPE: _EARLY_MUTATION, "mutations": [{"remove": name} for name in names]}}
 
@@ -164,7 +165,7 @@ def early_header_mutation() -> dict[str, Any]:
 def gateway_parts(settings: Settings, route_name: str) -> dict[str, Any]:
     bootstrap = render(settings)
     return {
-        "http_filters": [gateway_filter(settings)],
+        "http_filters": [gateway_guard_filter(), gateway_filter(settings)],
         "route_additions": gateway_route_additions(settings),
         "clusters": [_named(bootstrap, EXT_PROC_CLUSTER, "load_assignment")],
         "local_reply_mappers": local_reply_mappers(route_name),
@@ -183,7 +184,7 @@ _SIDECAR_NOTE = """\
 """
 _GATEWAY_NOTE = """\
 # pd-extproc drop-in parts (gateway mode), rendered from PD_EXTPROC_* settings:
-#   http_filters:        immediately after the endpoint picker's ext_proc filter, before the router
+#   http_filters:        immediately after the endpoint picker's ext_proc filter, in this order, before the router
 #   route_additions:     merged into the inference route (the HTTPRoute rule to the InferencePool)
 #   clusters:            the ext_proc gRPC service (point it at the pd-extproc Service)
 #   local_reply_mappers: first in the connection manager's local_reply_config.mappers (scoped to that route)

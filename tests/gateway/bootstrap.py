@@ -39,6 +39,7 @@ from extproc.envoy.parts import (
     DESTINATION_HEADER,
     early_header_mutation,
     gateway_filter,
+    gateway_guard_filter,
     gateway_route_additions,
     local_reply_mappers,
 )
@@ -139,6 +140,7 @@ def gateway_bootstrap(settings: Settings, picker: str, replicas: list[str]) -> d
             "routes": [_other_route(), _inference_route(settings)]}]},
         "http_filters": [
             picker_filter(),
+            gateway_guard_filter(),
             _pd_filter(settings),
             {"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER, "suppress_envoy_headers": True}},
         ],

@@ -5,7 +5,9 @@ replicas) run the prefill leg; Envoy sends the request to the decode endpoint th
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 from typing import Any
 
@@ -97,7 +99,9 @@ def test_a_large_pd_request_crosses_the_gateways_32_kib_connection_buffer_intact
     """Envoy Gateway's listeners buffer 32 KiB per connection; the inference route's buffer limit lets
     our filter take a whole 1 MiB body, and both legs get it intact."""
     gw.pick("decode-a")
-    body = chat_body(max_tokens=2, messages=[{"role": "user", "content": "kv " * (350 << 10)}])
+    image = "data:image/png;base64," + base64.b64encode(os.urandom(3 << 18)).decode()  # 1 MiB of base64
+    body = chat_body(max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Describe this image."}, {"type": "image_url", "image_url": {"url": image}}]}])
     response = post(gw, CHAT, body)
     assert response.status_code == 200, response.text
     assert only(gw.decode("decode-a").requests())["json"]["messages"] == body["messages"]
@@ -118,6 +122,29 @@ def test_a_decode_only_pick_reaches_the_picked_decode_untouched_without_calling_
     assert gw.prefill.requests() == [], "the prefill leg must not run"
     assert served(gw) == {"decode-a": 0, "decode-b": 1, "decode-c": 0}
     assert gw.pd_streams() == streams, "no stream to our server"
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "disaggregated_params"])
+def test_a_decode_only_request_that_steers_the_engine_is_refused_by_the_guard(gw: GatewayStack, field: str) -> None:
+    """Our server never sees a decode-only request, so the client guard (the sidecar's passthrough
+    guard, in a matcher that runs it only without x-prefiller-host-port) refuses a body member that
+    would steer the decode engine, e.g. make vLLM pull KV from an address the client chose."""
+    gw.pick("decode-b", pd=False)
+    steering = {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
+    body = chat_body(max_tokens=2, **{field: steering if field != "bootstrap_host" else "10.0.0.9"})
+    streams = gw.pd_streams()
+    error = assert_error(post(gw, CHAT, body), 400, "reserved_request_field")
+    assert error["param"] == field
+    assert_nothing_reached_an_engine(gw)
+    assert gw.pd_streams() == streams, "refused by Envoy, not by a call to us"
+
+
+def test_a_clients_steering_headers_are_removed_before_the_picker(gw: GatewayStack) -> None:
+    gw.pick("decode-a", pd=False)
+    spoofed = {"x-override-bootstrap-host": "10.0.0.9", "x-trtllm-disagg-auth": "forged"}
+    assert post(gw, CHAT, chat_body(max_tokens=2), **spoofed).status_code == 200
+    assert not set(spoofed) & set(gw.picker.picker.seen[-1].headers)
+    assert not set(spoofed) & set(dict(only(gw.decode("decode-a").requests())["headers"]))
 
 
 def test_a_request_with_the_header_that_is_not_pd_passes_through_after_one_headers_message(gw: GatewayStack) -> None:

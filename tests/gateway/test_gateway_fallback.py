@@ -31,7 +31,7 @@ def test_a_dead_prefill_falls_back_to_the_picked_decode_marked(fallback: Gateway
     body = chat_body(max_tokens=3)
     response = post(fallback, CHAT, body)
     assert response.status_code == 200, response.text
-    assert response.headers["x-pd-fallback"] == "aggregated"
+    assert response.headers["x-pd-fallback"] == "aggregated; reason=prefill_upstream_unavailable"
     assert response.headers["x-emulator-worker"] == decode
     assert served(fallback) == {name: int(name == decode) for name in DECODES}, "only the picked decode"
     assert only(fallback.decode(decode).requests())["json"] == body, "the client's request, no handoff"

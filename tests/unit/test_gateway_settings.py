@@ -37,7 +37,10 @@ def test_envoy_config_in_gateway_mode_renders_only_parts(capsys: pytest.CaptureF
     assert main(["envoy-config", "--parts", "--route-name", "httproute/llm/r/rule/0/match/0/*"],
                 {"PD_EXTPROC_MODE": "gateway"}) == 0
     parts = yaml.safe_load(capsys.readouterr().out)
-    wrapper = parts["http_filters"][0]["typed_config"]
+    guard, ext_proc = parts["http_filters"]
+    assert guard["name"] == "envoy.filters.http.lua", "the client guard first, for requests we never see"
+    assert "not_matcher" not in guard["typed_config"]["xds_matcher"]["matcher_list"]["matchers"][0]["predicate"]
+    wrapper = ext_proc["typed_config"]
     skip = wrapper["xds_matcher"]["matcher_list"]["matchers"]
     assert len(skip) == 1 and skip[0]["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
     assert skip[0]["predicate"]["not_matcher"]["single_predicate"]["input"]["typed_config"]["header_name"] == \
@@ -46,6 +49,6 @@ def test_envoy_config_in_gateway_mode_renders_only_parts(capsys: pytest.CaptureF
     assert config["allow_mode_override"] is True and config["failure_mode_allow"] is False
     assert config["allowed_override_modes"] == [{"request_header_mode": "SEND", "request_trailer_mode": "SKIP",
                                                  "response_header_mode": "SKIP", "response_trailer_mode": "SKIP"}]
-    assert "disabled" not in parts["http_filters"][0]
+    assert "disabled" not in ext_proc
     assert all("xds.route_name == 'httproute/llm/r/rule/0/match/0/*'" in m["filter"]["extension_filter"]
                ["typed_config"]["expression"] for m in parts["local_reply_mappers"])
