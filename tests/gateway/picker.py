@@ -17,16 +17,20 @@ v0.10.0's P/D header (pkg/common/routing/common.go ``PrefillEndpointHeader``):
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+import json
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
+
+from extproc import ready
+from pd_extproc_lab.process import Child
 
 DESTINATION = "x-gateway-destination-endpoint"
 PREFILL = "x-prefiller-host-port"
@@ -38,13 +42,6 @@ CHUNK = 62000  # GIE pkg/common/envoy BodyByteLimit
 class Pick:
     decode: str  # host:port
     prefill: str | None = None  # None: decode-only
-
-
-@dataclass
-class Seen:
-    """What one picker stream received: the request headers as Envoy sent them."""
-
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -82,21 +79,28 @@ def _body_replies(body: bytes, response_side: bool = False, end_of_stream: bool 
 
 
 class FakePicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self.pick = Pick(decode="127.0.0.1:9")
-        self.seen: list[Seen] = []
+    """Reads the test's current pick from ``pick_file`` at each request, appends what it saw to
+    ``seen_file`` (one JSON line per stream: the request headers as Envoy sent them)."""
+
+    def __init__(self, pick_file: Path, seen_file: Path) -> None:
+        self._pick_file = pick_file
+        self._seen_file = seen_file
+
+    def _pick(self) -> Pick:
+        data = json.loads(self._pick_file.read_text())
+        return Pick(decode=data["decode"], prefill=data["prefill"])
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        seen = Seen()
-        self.seen.append(seen)
-        pick = self.pick
+        pick = self._pick()
         body = bytearray()
         async for request in request_iterator:
             kind = request.WhichOneof("request")
             if kind == "request_headers":
-                seen.headers = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value)
-                                for h in request.request_headers.headers.headers}
+                headers = {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value)
+                           for h in request.request_headers.headers.headers}
+                with self._seen_file.open("a") as seen:
+                    seen.write(json.dumps(headers) + "\n")
                 if request.request_headers.end_of_stream:
                     yield _headers_reply(pick, 0)
             elif kind == "request_body":
@@ -117,29 +121,47 @@ class FakePicker(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
-class PickerServer:
-    """The fake picker on its own event loop thread, on a loopback port chosen by the OS."""
+class PickerProcess:
+    """The fake picker in a child process (``python -m tests.gateway.picker``): the test process runs no
+    gRPC threads of its own, so starting the stack's other children never forks a process with them."""
 
-    def __init__(self) -> None:
-        self.picker = FakePicker()
+    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+        self.pick_file = log_dir / "picker-pick.json"
+        self.seen_file = log_dir / "picker-seen.jsonl"
+        self.pick_file.write_text(json.dumps({"decode": "127.0.0.1:9", "prefill": None}))
+        self.seen_file.write_text("")
+        self.child = Child("picker", [sys.executable, "-m", "tests.gateway.picker", str(self.pick_file),
+                                      str(self.seen_file)], env, log_dir)
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-picker", daemon=True)
-        self._server: Any = None
 
-    def start(self) -> None:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
+    def start(self, timeout: float) -> None:
+        self.child.start()
+        self.port = int(ready.parse(self.child.wait_ready(timeout))["grpc"])
 
-    async def _start(self) -> None:
-        self._server = grpc.aio.server()
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.picker, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
+    def choose(self, pick: Pick) -> None:
+        staged = self.pick_file.with_suffix(".tmp")
+        staged.write_text(json.dumps({"decode": pick.decode, "prefill": pick.prefill}))
+        staged.replace(self.pick_file)  # atomic: a request reads the old pick or the new one, whole
+
+    def seen(self) -> list[dict[str, str]]:
+        return [json.loads(line) for line in self.seen_file.read_text().splitlines() if line]
+
+    def forget(self) -> None:
+        self.seen_file.write_text("")
 
     def stop(self) -> None:
-        if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._loop.close()
+        self.child.stop()
+
+
+async def _serve(pick_file: Path, seen_file: Path) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(FakePicker(pick_file, seen_file), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    sys.stdout.write(ready.format_line(grpc=port) + "\n")
+    sys.stdout.flush()
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -22,8 +22,8 @@ from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec, start_wor
 from pd_extproc_lab.process import Child, EnvoyProcess, python_child
 from pd_extproc_lab.stack import settings_env, without_settings
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT, gateway_bootstrap
-from tests.gateway.picker import Pick, PickerServer
-from tests.harness import READY_TIMEOUT, TEST_DEFAULTS, envoy_bin
+from tests.gateway.picker import Pick, PickerProcess
+from tests.harness import READY_TIMEOUT, REPO, TEST_DEFAULTS, envoy_bin
 
 DECODES = ("decode-a", "decode-b", "decode-c")
 REPLICAS = 2
@@ -55,7 +55,7 @@ class GatewayStack:
     settings: Settings
     log_dir: Path
     workers: dict[str, EmulatedWorker]
-    picker: PickerServer
+    picker: PickerProcess
     replicas: list[Replica]
     envoy: EnvoyProcess | None = None
     url: str = ""
@@ -70,7 +70,7 @@ class GatewayStack:
     def pick(self, decode: str, pd: bool = True, prefill: str | None = None) -> None:
         """The picker's next choices: this decode worker, and the prefill worker (or ``prefill``) when ``pd``."""
         target = prefill if prefill is not None else self.prefill.address
-        self.picker.picker.pick = Pick(decode=self.workers[decode].address, prefill=target if pd else None)
+        self.picker.choose(Pick(decode=self.workers[decode].address, prefill=target if pd else None))
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
@@ -78,7 +78,7 @@ class GatewayStack:
     def reset(self) -> GatewayStack:
         for worker in self.workers.values():
             worker.reset()
-        self.picker.picker.seen.clear()
+        self.picker.forget()
         return self
 
     def metric(self, name: str) -> float:
@@ -147,11 +147,12 @@ def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = RE
                               **(env_settings or {})})
     env = without_settings(os.environ)
     specs = [WorkerSpec("prefill", "prefill"), *(WorkerSpec(name, "decode") for name in DECODES)]
-    picker = PickerServer()
+    picker = PickerProcess(log_dir, {**env, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), env.get("PYTHONPATH", "")]))})
     stack = GatewayStack(settings, log_dir, {}, picker, [])
     try:
         stack.workers = start_workers(specs, log_dir, READY_TIMEOUT, env)
-        picker.start()
+        picker.start(READY_TIMEOUT)
         for index in range(replicas):
             server_env = {**env, **settings_env(settings)}
             stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], server_env, log_dir)))

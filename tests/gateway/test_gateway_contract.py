@@ -143,7 +143,7 @@ def test_a_clients_steering_headers_are_removed_before_the_picker(gw: GatewaySta
     gw.pick("decode-a", pd=False)
     spoofed = {"x-override-bootstrap-host": "10.0.0.9", "x-trtllm-disagg-auth": "forged"}
     assert post(gw, CHAT, chat_body(max_tokens=2), **spoofed).status_code == 200
-    assert not set(spoofed) & set(gw.picker.picker.seen[-1].headers)
+    assert not set(spoofed) & set(gw.picker.seen()[-1])
     assert not set(spoofed) & set(dict(only(gw.decode("decode-a").requests())["headers"]))
 
 
@@ -172,7 +172,7 @@ def test_a_clients_own_routing_headers_never_reach_the_picker_or_us(gw: GatewayS
                "x-gateway-destination-endpoint": gw.decode("decode-c").address}
     response = post(gw, CHAT, chat_body(max_tokens=2), **spoofed)
     assert response.status_code == 200 and response.headers["x-emulator-worker"] == "decode-a"
-    assert not set(spoofed) & set(gw.picker.picker.seen[-1].headers)
+    assert not set(spoofed) & set(gw.picker.seen()[-1])
     assert gw.prefill.requests() == []
     assert "kv_transfer_params" not in only(gw.decode("decode-a").requests())["json"]
 
