@@ -144,7 +144,8 @@ class ExtProcServer:
             ("grpc.max_send_message_length", limit),
             ("grpc.max_concurrent_streams", 0x7FFFFFFF),
         ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), self.grpc)
+        passthrough = self.metrics.passthroughs.inc if settings.mode == "gateway" else None
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor, passthrough), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         try:
             self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())

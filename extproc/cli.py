@@ -65,9 +65,17 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    settings = _settings(args, environ)
+    if args.parts:
+        from extproc.envoy.parts import render_parts_yaml
+
+        sys.stdout.write(render_parts_yaml(settings, args.decode_cluster, args.route_name))
+        return 0
+    if settings.mode == "gateway":
+        raise ConfigError("gateway mode has no bootstrap of its own (the gateway's Envoy is yours): use --parts")
     from extproc.envoy.bootstrap import render_yaml
 
-    sys.stdout.write(render_yaml(_settings(args, environ)))
+    sys.stdout.write(render_yaml(settings))
     return 0
 
 
@@ -249,6 +257,12 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     serve.set_defaults(run=cmd_serve)
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
+    envoy_config.add_argument("--parts", action="store_true",
+                              help="only what to add to an Envoy you already run (README, \"Your own Envoy\")")
+    envoy_config.add_argument("--decode-cluster", default="decode",
+                              help="with --parts, sidecar mode: your decode cluster, for the pd route")
+    envoy_config.add_argument("--route-name", default="",
+                              help="with --parts, gateway mode: the inference route's name (scopes the local replies)")
     envoy_config.set_defaults(run=cmd_envoy_config)
     # Every argument is Envoy's (prefix_chars: none of ours, so `-c FILE` is not parsed here).
     envoy = commands.add_parser("envoy", help="run Envoy with these arguments; on SIGTERM drain it, then stop it",

@@ -15,6 +15,7 @@ from functools import cache
 from typing import Any
 
 from extproc.adapters import KILL_SWITCH, engines, protocol_problem
+from extproc.adapters.base import Flow
 from extproc.core.prefill_policy import Rule, describe, parse_allow_list
 from extproc.settings_spec import (
     ENV_PREFIX,
@@ -32,6 +33,9 @@ from extproc.settings_spec import (
 from extproc.units import Address, format_duration, parse_address, parse_duration
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# sidecar: our own Envoy in front of one decode worker; gateway: an ext_proc of the gateway's Envoy,
+# after the endpoint picker (docs/gateway.md).
+MODES = ("sidecar", "gateway")
 
 
 def setting(default: Any, parse: Callable[[str], Any], help: str, show: Callable[[Any], str] = show_plain) -> Any:
@@ -83,6 +87,10 @@ class Settings:
         "vllm_nixl", _adapter_name, "P/D protocol adapter: a registered engine's adapter (built in: vllm_nixl, "
         "sglang, trtllm) or none (answers P/D requests with 501)")
     protocol: str = setting("", text_value, "protocol pin of the adapter; empty = the adapter's default pin")
+    mode: str = setting(
+        "sidecar", choice(MODES), "sidecar (our Envoy in the decode pod, P/D route by header) or gateway (an "
+        "ext_proc of the gateway's Envoy after the endpoint picker: a request that is not P/D passes through "
+        "untouched)")
     grpc_listen: Address = setting(
         Address("127.0.0.1", 50051), lambda t: parse_address(t, allow_unix=True, allow_port_zero=True),
         "ext_proc gRPC listen address: host:port or unix:/path")
@@ -272,6 +280,7 @@ def check_consistency(settings: Settings) -> list[str]:
                             f"{engine.no_fallback}")
         if settings.decode_queue_limit and engine.decode_queue is None:
             problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
+    problems.extend(_gateway_problems(settings))
     if settings.prefill_connect_timeout > settings.prefill_deadline:
         problems.append("prefill_connect_timeout must not exceed prefill_deadline")
     if settings.envoy_stats_listen is not None and (settings.envoy_admin.is_unix or settings.envoy_admin.port == 0):
@@ -290,4 +299,21 @@ def check_consistency(settings: Settings) -> list[str]:
         problems.append("prefill TLS files or server name are set but prefill_tls is false")
     if settings.max_prefill_response_bytes > settings.max_request_bytes:
         problems.append("max_prefill_response_bytes must not exceed max_request_bytes")
+    return problems
+
+
+def _gateway_problems(settings: Settings) -> list[str]:
+    """Sidecar settings that have no meaning in gateway mode, where the decode endpoint is the
+    picker's pick, unknown to us until Envoy routes (docs/gateway.md, "Settings")."""
+    if settings.mode != "gateway":
+        return []
+    problems = []
+    if settings.decode_queue_limit:
+        problems.append("decode_queue_limit: not in gateway mode (it reads the local decode worker's queue; "
+                        "the endpoint picker already scores the decode pods' queues)")
+    engine = engines().get(settings.adapter)
+    if engine is not None and engine.flow is Flow.CONCURRENT:
+        problems.append(f"mode: adapter {settings.adapter} is not supported in gateway mode yet (its failed prefill "
+                        "aborts the decode request at the configured decode worker, which in gateway mode is the "
+                        "picker's pick)")
     return problems

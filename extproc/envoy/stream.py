@@ -8,7 +8,7 @@ cancelled with it, so decode is never dispatched.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.core.background import BackgroundPrefill
 from extproc.core.processor import PdProcessor, Pending
+from extproc.envoy import gateway
 from extproc.envoy import messages as msg
 from extproc.errors import Code
 
@@ -35,8 +36,11 @@ class _Stream:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, processor: PdProcessor) -> None:
+    def __init__(self, processor: PdProcessor, passthrough: Callable[[], None] | None = None) -> None:
+        """``passthrough`` (gateway mode): called for each request that is not P/D, which is then let
+        through after its headers message (extproc/envoy/gateway.py)."""
         self._processor = processor
+        self._passthrough = passthrough
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -59,6 +63,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         kind = request.WhichOneof("request")
         if kind == "request_headers":
             stream.head = msg.head_from_headers(request.request_headers)
+            if self._passthrough is not None and not gateway.is_pd_request(stream.head):
+                self._passthrough()
+                return gateway.passthrough(), True
             outcome = await self._processor.on_headers(stream.head)
             if isinstance(outcome, pb.ProcessingResponse):
                 return outcome, True
@@ -72,6 +79,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return msg.error_reply(Code.INTERNAL_ERROR, 500), True
             body = await self._processor.on_body(stream.head, stream.pending, request.request_body.body)
             stream.background = body.background
+            if self._passthrough is not None:
+                return gateway.without_picker_headers(body.response), False
             return body.response, False
         if kind == "response_headers" and stream.background is not None:
             stream.decode_answered = True

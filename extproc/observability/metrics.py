@@ -94,6 +94,10 @@ class Metrics:
             "pd_extproc_decode_queue_scrape_failures",
             "Readings of the decode worker's queue gauges that gave no value, by reason.", ["reason"],
             registry=self.registry)
+        self.passthroughs = Counter(
+            "pd_extproc_gateway_passthroughs",
+            "Gateway mode: requests that were not P/D (no x-prefiller-host-port), let through after their headers.",
+            registry=self.registry)
         self.request_bytes = Histogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)

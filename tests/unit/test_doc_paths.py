@@ -44,7 +44,7 @@ MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
 FOREIGN = re.compile(r"@ ?`?[\w .-]{0,20}\d|\b[\w-]+/[\w.-]+ (?:PR )?#?\d|github\.com/|\bin (?:the )?upstream\b")
 TRAILING = ".,;:)'\""
 RESULTS_HAND_WRITTEN = "## Discussion (written by hand"
-PENDING = {"docs/gateway.md": "branch gateway (issue 24): gateway mode's page"}
+PENDING: dict[str, str] = {}
 OUTSIDE = re.compile(r"(?<![\w.-])research/[\w.-]|/work/(?:shared|main)\b")
 
 

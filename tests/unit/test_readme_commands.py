@@ -26,7 +26,7 @@ METRICS = "http://127.0.0.1:<metrics-port>"
 LOGS = "/tmp/pd-extproc-up-<random>"
 # Commands README names that a branch not yet merged adds (delete the entry once it is merged).
 PENDING_MAKE_TARGETS = {"soak": "branch soak (issue 27)"}
-PENDING_FLAGS = {("envoy-config", "--parts"): "branch gateway (issue 24)"}
+PENDING_FLAGS: dict[tuple[str, str], str] = {}
 
 
 def readme_banner() -> str:

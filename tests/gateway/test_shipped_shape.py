@@ -1,0 +1,135 @@
+"""k8s/gateway-mode as Envoy Gateway v1.9 renders it (tests/deploy/test_gateway_mode.py
+``envoy_gateway_shape``, built from the kustomize output after Envoy Gateway's translator), run on a
+real Envoy 1.40 with the fake picker, our servers and three decode workers: what ships, end to end.
+
+The only changes to that shape here are the addresses (loopback ports of this test's processes), an
+admin endpoint, and a stat prefix on each ext_proc filter to tell their counters apart."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from extproc.config import Settings
+from tests.deploy.test_gateway_mode import GATEWAY_MODE, envoy_gateway_shape, rendered
+from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
+from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
+from tests.gateway.test_gateway_contract import JSON, assert_error, post, served
+from tests.helpers import CHAT, COMPLETIONS, chat_body, only
+
+pytestmark = pytest.mark.dataplane
+
+
+def _endpoints(host_ports: list[str]) -> list[dict[str, Any]]:
+    endpoints = []
+    for host_port in host_ports:
+        host, _, port = host_port.rpartition(":")
+        endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}})
+    return [{"lb_endpoints": endpoints}]
+
+
+def shipped_shape(settings: Settings, picker: str, replicas: list[str], decodes: list[str]) -> dict[str, Any]:
+    bootstrap = copy.deepcopy(envoy_gateway_shape(rendered(GATEWAY_MODE)))
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["default_filter_chain"]["filters"][0]["typed_config"]
+    hcm["stat_prefix"] = "http-10080"
+    picker_filter, pd_filter = hcm["http_filters"][0], hcm["http_filters"][1]
+    picker_filter["typed_config"]["stat_prefix"] = PICKER_STAT
+    pd_filter["typed_config"]["stat_prefix"] = PD_STAT
+    by_name = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    clusters = [picker_filter, pd_filter]
+    for ext_proc, hosts in zip(clusters, ([picker], replicas), strict=True):
+        cluster = by_name[ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]]
+        cluster["load_assignment"]["endpoints"] = _endpoints(hosts)
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    by_name[route["route"]["cluster"]]["load_assignment"]["endpoints"] = _endpoints(decodes)
+    bootstrap["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}}
+    return dict(bootstrap)
+
+
+@pytest.fixture(scope="module")
+def shipped_running() -> Iterator[GatewayStack]:
+    with gateway_stack(shape=shipped_shape) as stack:
+        yield stack
+
+
+@pytest.fixture
+def shipped(shipped_running: GatewayStack) -> GatewayStack:
+    return shipped_running.reset()
+
+
+@pytest.mark.parametrize("decode", DECODES)
+def test_a_pd_request_reaches_exactly_the_picked_decode_through_override_host(
+        shipped: GatewayStack, decode: str) -> None:
+    shipped.pick(decode)
+    body = chat_body(max_tokens=3)
+    response = post(shipped, CHAT, body)
+    assert response.status_code == 200, response.text
+    assert served(shipped) == {name: int(name == decode) for name in DECODES}
+    prefill, decoded = only(shipped.prefill.requests()), only(shipped.decode(decode).requests())
+    assert decoded["json"] == {**body, "kv_transfer_params": prefill["notes"]["kv_transfer_params"]}
+    assert "x-prefiller-host-port" not in dict(decoded["headers"])
+
+
+def test_a_decode_only_pick_costs_one_headers_message_without_the_matcher(shipped: GatewayStack) -> None:
+    """An EnvoyExtensionPolicy cannot wrap our filter in the matcher: each decode-only request makes one
+    headers exchange, answered by the server's passthrough."""
+    shipped.pick("decode-a", pd=False)
+    raw = b'{"model": "emulated", "prompt": "hi", "max_tokens": 2}'
+    streams, sent = shipped.pd_streams(), shipped.pd_messages_sent()
+    response = post(shipped, COMPLETIONS, raw)
+    assert response.status_code == 200
+    assert shipped.decode("decode-a").raw_body(only(shipped.decode("decode-a").requests())["seq"]) == raw
+    assert shipped.pd_streams() == streams + 1 and shipped.pd_messages_sent() == sent + 1
+    assert shipped.prefill.requests() == []
+
+
+def test_a_prefill_leg_longer_than_envoy_gateways_10s_grpc_timeout_is_not_cut(shipped: GatewayStack) -> None:
+    """Envoy Gateway always sets grpc_service.timeout: 10s on an ext_proc (extproc.go:105); the
+    stream must outlive it while the prefill leg runs (the message timeout is what bounds it)."""
+    shipped.pick("decode-b")
+    shipped.prefill.script({"delay": 11.0})
+    response = post(shipped, CHAT, chat_body(max_tokens=2))
+    assert response.status_code == 200, response.text
+    assert served(shipped)["decode-b"] == 1
+
+
+def test_refusals_and_prefill_failures_reach_no_decode(shipped: GatewayStack) -> None:
+    shipped.pick("decode-c")
+    assert_error(post(shipped, CHAT, chat_body(n=2)), 400, "unsupported_pd_variant")
+    shipped.prefill.script({"status": 503})
+    assert_error(post(shipped, CHAT, chat_body(max_tokens=2)), 503, "prefill_upstream_error")
+    assert served(shipped) == dict.fromkeys(DECODES, 0)
+
+
+def test_a_clients_own_picker_headers_are_removed_before_the_picker(shipped: GatewayStack) -> None:
+    shipped.pick("decode-a", pd=False)
+    spoofed = {"x-prefiller-host-port": shipped.prefill.address,
+               "x-gateway-destination-endpoint": shipped.decode("decode-c").address}
+    with shipped.client() as client:
+        response = client.post(CHAT, content=json.dumps(chat_body(max_tokens=2)), headers={**JSON, **spoofed})
+    assert response.status_code == 200 and served(shipped) == {"decode-a": 1, "decode-b": 0, "decode-c": 0}
+    assert not set(spoofed) & set(shipped.picker.seen()[-1])
+
+
+def test_pd_extproc_down_is_a_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
+    """What ships today: without the connection manager's local_reply_config (Envoy Gateway exposes none
+    per route; docs/gateway-chains.md) the 503 has Envoy's own body, not our JSON; and without the
+    matcher a decode-only request fails with it too. Never a decode without its handoff."""
+    for replica in shipped.replicas:
+        replica.child.stop(sig=signal.SIGKILL)
+    try:
+        for pd in (True, False):
+            shipped.pick("decode-b", pd=pd)
+            response = post(shipped, CHAT, chat_body(max_tokens=2))
+            assert response.status_code == 503
+            assert "pd_extproc_unavailable" not in response.text, "no JSON mapper in the shipped shape"
+        assert shipped.prefill.requests() == [] and served(shipped) == dict.fromkeys(DECODES, 0)
+    finally:
+        for replica in shipped.replicas:
+            shipped.restart(replica)

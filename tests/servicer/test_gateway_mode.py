@@ -1,0 +1,102 @@
+"""Gateway mode at the message level: what the server answers a request that is not P/D, and that a
+P/D request is handled exactly as in sidecar mode (extproc/envoy/gateway.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+from extproc.core.headers import PICKER_HEADERS
+from extproc.envoy.gateway import PASSTHROUGH_MODE
+from tests.helpers import closed_port
+from tests.servicer.test_servicer import CHAT, Harness, body_message, error_of, headers_message, run
+
+Mode = processing_mode_pb2.ProcessingMode
+GATEWAY = {"PD_EXTPROC_MODE": "gateway"}
+
+
+def passthroughs(h: Harness) -> float:
+    return h.server.metrics.passthroughs._value.get()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("method,path,with_header", [
+    ("POST", CHAT, False),                   # a decode-only pick: the picker set no prefill header
+    ("POST", "/v1/embeddings", True),        # not a P/D path
+    ("GET", CHAT, True),                     # not a POST
+    ("POST", "/v1/chat/completionsX", True),  # the path must match whole
+], ids=["no-header", "other-path", "get", "path-suffix"])
+def test_a_request_that_is_not_pd_gets_one_reply_that_turns_the_stream_off(
+        method: str, path: str, with_header: bool) -> None:
+    async def test(h: Harness) -> None:
+        extra = {":method": method, "x-encoder-hosts-ports": "10.0.0.2:8000"}
+        if with_header:
+            extra["x-prefiller-host-port"] = h.prefill_address
+        responses = await h.exchange(headers_message(path, extra), body_message({"messages": []}))
+        assert len(responses) == 1, "the server ends the stream after the headers reply"
+        reply = responses[0]
+        assert reply.WhichOneof("response") == "request_headers"
+        assert reply.mode_override == PASSTHROUGH_MODE
+        assert reply.mode_override.request_body_mode == Mode.NONE
+        assert reply.mode_override.response_header_mode == Mode.SKIP
+        mutation = reply.request_headers.response.header_mutation
+        assert list(mutation.set_headers) == [] and not reply.request_headers.response.HasField("body_mutation")
+        assert set(mutation.remove_headers) == PICKER_HEADERS
+        assert not reply.request_headers.response.clear_route_cache, "never re-route: the picker chose"
+        assert passthroughs(h) == 1
+        assert h.prefill.control.records == []
+
+    run(test, **GATEWAY)
+
+
+def test_a_pd_request_in_gateway_mode_is_handled_as_in_sidecar_mode_and_drops_the_picker_headers() -> None:
+    async def test(h: Harness) -> None:
+        responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}),
+                                     body_message({"messages": [{"role": "user", "content": "x"}]}))
+        assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+        assert not responses[0].HasField("mode_override")
+        common = responses[1].request_body.response
+        assert set(common.header_mutation.remove_headers) >= PICKER_HEADERS
+        assert not common.clear_route_cache, "the request goes where the picker sent it"
+        keys = {m.header.key for m in common.header_mutation.set_headers}
+        assert not keys & {"x-gateway-destination-endpoint", ":authority", "host"}
+        assert len(h.prefill.control.records) == 1
+        assert passthroughs(h) == 0
+
+    run(test, **GATEWAY)
+
+
+def test_a_bad_prefill_header_is_refused_in_gateway_mode_too() -> None:
+    async def test(h: Harness) -> None:
+        responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": "10.0.0.1:80,10.0.0.2:80"}))
+        assert error_of(responses[0]) == (400, "invalid_prefill_target")
+
+    run(test, **GATEWAY)
+
+
+def test_sidecar_mode_never_passes_through() -> None:
+    """In sidecar mode Envoy's pd route calls us only for P/D requests: a request without the header
+    that reaches us anyway (a hand-edited config) is refused, as before."""
+    async def test(h: Harness) -> None:
+        responses = await h.exchange(headers_message(CHAT, {}))
+        assert error_of(responses[0]) == (400, "invalid_prefill_target")
+
+    run(test)
+
+
+def test_the_aggregated_fallback_sends_the_clients_request_to_the_picked_decode() -> None:
+    """Gateway mode's fallback: the body reply carries the client's request without a handoff and no
+    destination of ours; Envoy sends it where the picker already chose."""
+    async def test(h: Harness) -> None:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+        responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": f"127.0.0.1:{closed_port()}"}),
+                                     body_message(body))
+        assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+        common = responses[1].request_body.response
+        assert json.loads(common.body_mutation.body) == body
+        assert dict(responses[1].dynamic_metadata)["pd_extproc"]["fallback"].startswith("aggregated")
+        assert not common.clear_route_cache
+        assert not {m.header.key for m in common.header_mutation.set_headers} & {"x-gateway-destination-endpoint"}
+
+    run(test, **GATEWAY, PD_EXTPROC_PREFILL_FALLBACK="aggregated")
