@@ -107,6 +107,9 @@ class PrefillClient:
                 connection.close()
         self._idle.clear()
 
+    def idle_connections(self) -> int:
+        return sum(len(connections) for connections in self._idle.values())
+
     async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:
