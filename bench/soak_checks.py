@@ -47,7 +47,7 @@ def expected_label(outcome: Outcome) -> str:
 
 def verdict(outcome: Outcome, windows: Sequence[Window]) -> str:
     """Empty if the answer is documented and expected (or excused by a fault it overlapped), else why not."""
-    if outcome.problem and outcome.label != "engine_stream_error":
+    if outcome.problem and outcome.status is not None and outcome.label != "engine_stream_error":
         return f"{outcome.label}: {outcome.problem}"
     if outcome.disconnected:
         return ""

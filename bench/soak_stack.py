@@ -120,6 +120,7 @@ class SoakStack:
         self.decode: Worker | None = None
         self.server: Child | None = None
         self.envoy: Child | None = None
+        self.envoy_starts = 0
 
     @property
     def url(self) -> str:
@@ -167,6 +168,7 @@ class SoakStack:
                                             "--log-level", "warning"], {**self.base_env, **self.settings},
                                   self.run_dir, ready=False)
         await self.envoy.start()
+        self.envoy_starts += 1
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
