@@ -39,14 +39,14 @@ from extproc.prom_text import sample_values
 
 RECOVERY_BOUND = 15.0  # seconds: after each fault is cleared the stack must serve a P/D request within this
 REST_TIMEOUT = 15.0  # seconds the server may take to give everything back once the load stops
-FD_SLACK = 4  # fds above the incarnation's baseline tolerated at rest (Envoy's gRPC connections, a log rotation)
+FD_SLACK = 2  # fds above the incarnation's baseline tolerated at rest (the decode queue watch's connection)
 TASK_SLACK = 3
 CLIENT_QUIESCE = 70.0  # seconds: the client timeout (60 s) and some
 
-FULL_CYCLE = ("quiet", "decode_5xx", "prefill_hang", "decode_reset", "decode_queue", "quiet", "prefill_kill",
-              "extproc_kill", "quiet", "extproc_drain", "envoy_drain")
-SHORT_SCHEDULE = ("quiet", "extproc_kill", "quiet", "decode_5xx", "prefill_hang", "decode_queue", "prefill_kill",
-                  "quiet", "quiet")
+FULL_CYCLE = ("quiet", "decode_5xx", "prefill_hang", "prefill_5xx", "decode_reset", "decode_queue", "quiet",
+              "prefill_kill", "extproc_kill", "quiet", "extproc_drain", "envoy_drain")
+SHORT_SCHEDULE = ("quiet", "extproc_kill", "quiet", "decode_5xx", "prefill_hang", "prefill_5xx", "decode_queue",
+                  "prefill_kill", "quiet", "quiet")
 
 
 @dataclass
@@ -146,6 +146,9 @@ class Soak:
         elif fault == "prefill_hang":
             await stack.prefill.control("script", {"behaviours": [{"hang": True}] * 3})
             await asyncio.sleep(self.args.prefill_deadline + 1.0)
+        elif fault == "prefill_5xx":
+            await stack.prefill.control("script", {"behaviours": [{"status": 503}] * 6})
+            await asyncio.sleep(2.0)
         elif fault == "decode_5xx":
             await stack.decode.control("script", {"behaviours": [{"status": 500}] * 3})
             await asyncio.sleep(2.0)
@@ -343,10 +346,17 @@ class Soak:
 
     @staticmethod
     def _over_baseline(sample: Sample, base: Sample) -> bool:
+        held = sum(count for key, count in sample.tcp.items() if not key.startswith("listen:"))
         return (sample.fds - sample.idle_pool > base.fds - base.idle_pool + FD_SLACK
-                or sample.loop_tasks > base.loop_tasks + TASK_SLACK)
+                or sample.loop_tasks > base.loop_tasks + TASK_SLACK or held > sample.idle_pool + 1)
 
     def _check_resources(self, sample: Sample, fault: str) -> None:
+        assert self.stack.prefill is not None
+        port = self.stack.prefill.port
+        held = sum(count for key, count in sample.tcp.items() if key.endswith(f":{port}"))
+        if held > sample.idle_pool:  # a connection to the prefill worker that the pool does not own
+            self.report.fail(f"segment {self.report.segments} ({fault}): {held} connections to the prefill worker "
+                             f"at rest ({sample.tcp}), {sample.idle_pool:.0f} in the pool")
         base = self.baseline.get(sample.incarnation)
         if base is None:
             # The first rest of an incarnation that followed traffic is its baseline.

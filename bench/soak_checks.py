@@ -17,6 +17,7 @@ EXCUSED: dict[str, frozenset[str]] = {
     "prefill_kill": frozenset({"prefill_upstream_unavailable", "prefill_upstream_timeout", "prefill_response_truncated",
                                "engine_500", "engine_stream_error"}),
     "prefill_hang": frozenset({"prefill_upstream_timeout"}),
+    "prefill_5xx": frozenset({"prefill_upstream_error"}),
     "decode_5xx": frozenset({"engine_500", "engine_stream_error"}),
     "decode_reset": frozenset({"decode_upstream_unavailable", "cut_after_head"}),
     "decode_queue": frozenset({"pd_overloaded"}),
