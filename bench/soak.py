@@ -244,7 +244,8 @@ class Soak:
         for outcome in outcomes:
             report.labels[outcome.label] += 1
             report.labels_by_kind.setdefault(outcome.kind, Counter())[outcome.label] += 1
-            why = checks.verdict(outcome, self.windows[-2:])
+            why = checks.verdict(outcome, self.windows[-2:], self.profile.concurrent,
+                                 self.profile.passthrough)
             if why:
                 report.fail(f"segment {report.segments} ({fault}) {outcome.tag}: {why}")
         # At rest: our server gives everything back.
@@ -276,6 +277,9 @@ class Soak:
         decode_records = await stack.decode.control("requests")
         if not same_prefill:
             prefill_records = granted_before_kill + prefill_records
+        if self.args.dump_records:
+            (self.stack.run_dir / f"records-{report.segments:03d}.json").write_text(
+                json.dumps({"prefill": prefill_records, "decode": decode_records}, default=str))
         granted = [(tag, handoff) for r in prefill_records
                    if (tag := checks.tag_of(r)) and (handoff := self.profile.granted(r)) is not None]
         used = []
@@ -290,7 +294,7 @@ class Soak:
         report.unpulled_by_label.update(ledger.unpulled_by_label)
         for problem in ledger.crossed + ledger.orphaned + [f"{t}: two grants" for t in ledger.double_grants]:
             report.fail(f"segment {report.segments} ({fault}) ledger: {problem}")
-        outstanding = _metric(ledger_text, "emulator_kv_leases_outstanding")
+        outstanding = _metric(ledger_text, self.profile.held_metric) if self.profile.held_metric else 0.0
         if outstanding and outstanding == outstanding:
             report.fail(f"segment {report.segments} ({fault}): {outstanding} KV leases still held after the lease time")
         # Counters: ours and Envoy's against the client's tally of this segment.
@@ -299,7 +303,7 @@ class Soak:
         if same_server and self.last_server_metrics:
             before = _by_label(self.last_server_metrics, "pd_extproc_requests_total", "outcome")
             delta = {k: v - before.get(k, 0.0) for k, v in outcomes_now.items()}
-            problems = checks.compare_server(delta, tally)
+            problems = checks.compare_server(delta, tally, self.profile.concurrent)
             report.counter_checks["server_compared"] += 1
             for problem in problems:
                 report.fail(f"segment {report.segments} ({fault}) counters: {problem}")
@@ -330,7 +334,7 @@ class Soak:
         while True:
             text = await self.stack.prefill.metrics()
             # The emulator reaps expired leases when it next looks at them: a reset or request does.
-            outstanding = _metric(text, "emulator_kv_leases_outstanding")
+            outstanding = _metric(text, self.profile.held_metric) if self.profile.held_metric else 0.0
             if not outstanding or outstanding != outstanding or time.monotonic() > deadline:
                 return text
             await asyncio.sleep(0.5)
@@ -459,6 +463,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="", help="segments to run, comma-separated (quiet or a fault: "
                    + ", ".join(checks.FAULTS) + "); default: the full or short schedule")
     p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--dump-records", action="store_true", help="write both emulators' records of every segment")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--envoy-bin", default=os.environ.get("PD_EXTPROC_ENVOY_BIN", "envoy"))
     return p

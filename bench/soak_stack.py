@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,6 +32,12 @@ class EngineProfile:
     queue_gauge: str
     emulator_args: tuple[str, ...] = ()
     slow_decode: tuple[tuple[str, float], ...] = ()  # a decode behaviour that slows a stream, if the emulator has one
+    lease_flag: str = "--lease"  # the emulator option for how long unclaimed KV is held
+    server_env: tuple[tuple[str, str], ...] = ()
+    shared_key: tuple[str, str] = ("", "")  # (our setting, the emulators' flag) of a key both sides read
+    held_metric: str = ""  # the prefill emulator's gauge of KV it still holds ("" = not exposed)
+    concurrent: bool = False  # decode starts before the prefill answers (SGLang)
+    passthrough: str = "ok"  # what the decode worker answers a request without a handoff
 
     def granted(self, record: dict[str, Any]) -> str | None:
         """The handoff id a prefill record granted (None: no handoff)."""
@@ -39,9 +46,8 @@ class EngineProfile:
             value = notes.get("remote_request_id")
         elif self.engine == "trtllm":
             value = notes.get("ctx_request_id")
-        else:
-            body = record.get("json") or {}
-            value = body.get("bootstrap_room") if notes.get("behaviour") is not None or body else None
+        else:  # SGLang: the room our server chose, registered by the prefill request
+            value = (record.get("json") or {}).get("bootstrap_room")
         return None if value is None else str(value)
 
     def used(self, record: dict[str, Any]) -> tuple[str | None, bool]:
@@ -57,15 +63,23 @@ class EngineProfile:
             params = body.get("disaggregated_params")
             if not isinstance(params, dict):
                 return None, False
-            return str(params.get("ctx_request_id")), "transfer" not in notes and record.get("status") == 200
+            return str(params.get("ctx_request_id")), notes.get("kv") == "ok"
         room = body.get("bootstrap_room")
-        return (None if room is None else str(room)), "transfer" not in notes and record.get("status") == 200
+        return (None if room is None else str(room)), notes.get("transfer") == "ok"
 
 
 PROFILES = {
-    "vllm": EngineProfile("vllm", "vllm_nixl", "vllm:num_requests_waiting", slow_decode=(("token_interval", 0.05),)),
-    "sglang": EngineProfile("sglang", "sglang", "sglang:num_queue_reqs"),
-    "trtllm": EngineProfile("trtllm", "trtllm", "trtllm:num_requests_waiting"),
+    "vllm": EngineProfile("vllm", "vllm_nixl", "vllm:num_requests_waiting", slow_decode=(("token_interval", 0.05),),
+                          held_metric="emulator_kv_leases_outstanding"),
+    "sglang": EngineProfile("sglang", "sglang", "sglang:num_queue_reqs", lease_flag="--kv-timeout",
+                            server_env=(("PD_EXTPROC_SGLANG_BOOTSTRAP_PORT", "discover"),
+                                        ("PD_EXTPROC_SGLANG_PREFILL_DEADLINE", "10s")),
+                            held_metric="emulator_rooms_open", concurrent=True,
+                            # scheduler.py, _handle_generate_request: a decode-mode engine refuses a request
+                            # without a bootstrap room (400)
+                            passthrough="engine_400"),
+    "trtllm": EngineProfile("trtllm", "trtllm", "trtllm_num_requests_waiting",
+                            shared_key=("PD_EXTPROC_TRTLLM_AUTH_KEY_FILE", "--auth-key-file")),
 }
 
 
@@ -114,8 +128,16 @@ class SoakStack:
             "PD_EXTPROC_PREFILL_ALLOW": "127.0.0.0/8:*",
             "PD_EXTPROC_ENVOY_BIN": envoy_bin,
             "PD_EXTPROC_LOG_LEVEL": "warning",
+            **dict(profile.server_env),
             **settings,
         }
+        self.key_args: tuple[str, ...] = ()
+        if profile.shared_key[0]:
+            key_file = run_dir / "shared.key"
+            key_file.write_text(secrets.token_hex(32) + "\n")
+            key_file.chmod(0o600)
+            self.settings[profile.shared_key[0]] = str(key_file)
+            self.key_args = (profile.shared_key[1], str(key_file))
         self.prefill: Worker | None = None
         self.decode: Worker | None = None
         self.server: Child | None = None
@@ -136,8 +158,8 @@ class SoakStack:
 
     def _worker(self, role: str, port: int = 0, side_port: int = 0) -> Child:
         args = ["emulate", "--engine", self.profile.engine, "--role", role, "--listen", f"127.0.0.1:{port}",
-                "--side-channel", f"127.0.0.1:{side_port}", "--worker-id", role, "--lease",
-                f"{self.lease_seconds}s", *self.profile.emulator_args]
+                "--side-channel", f"127.0.0.1:{side_port}", "--worker-id", role, self.profile.lease_flag,
+                f"{self.lease_seconds}s", *self.key_args, *self.profile.emulator_args]
         return python_child(f"{role}-worker", args, self.base_env, self.run_dir)
 
     async def start_worker(self, role: str) -> Worker:
