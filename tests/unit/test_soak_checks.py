@@ -66,3 +66,10 @@ def test_our_counters_must_match_the_clients_tally() -> None:
 def test_the_slope_is_per_hour_and_needs_three_points() -> None:
     assert slope_per_hour([(0, 10), (60, 10)]) is None
     assert slope_per_hour([(0, 10), (1800, 15), (3600, 20)]) == 10.0
+
+
+def test_a_client_that_left_may_be_counted_under_the_answer_it_missed_once() -> None:
+    tally = client_tally([_outcome("a", "ok"), _outcome("b", "disconnected", disconnected=True)])
+    assert compare_server({"ok": 1, "prefill_upstream_unavailable": 1}, tally) == []
+    assert compare_server({"ok": 1, "cancelled": 1}, tally) == []
+    assert compare_server({"ok": 1, "cancelled": 1, "prefill_upstream_unavailable": 1}, tally)
