@@ -121,7 +121,8 @@ class Soak:
             "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "0.5s",
             "PD_EXTPROC_MAX_INFLIGHT": "512",
         }, args.lease, args.envoy_bin)
-        self.report = Report(args.engine, " ".join(sys.argv), args.seed, args.rate, args.segment)
+        self.report = Report(args.engine, "python -m bench.soak " + " ".join(sys.argv[1:]), args.seed, args.rate,
+                             args.segment)
         self.windows: list[checks.Window] = []
         self.t0 = time.monotonic()
         self.incarnation = 1
