@@ -120,6 +120,7 @@ class Soak:
             "PD_EXTPROC_DECODE_QUEUE_LIMIT": "32",
             "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "0.5s",
             "PD_EXTPROC_MAX_INFLIGHT": "512",
+            **dict(item.split("=", 1) for item in args.server_env),
         }, args.lease, args.envoy_bin)
         self.report = Report(args.engine, "python -m bench.soak " + " ".join(sys.argv[1:]), args.seed, args.rate,
                              args.segment)
@@ -464,6 +465,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="", help="segments to run, comma-separated (quiet or a fault: "
                    + ", ".join(checks.FAULTS) + "); default: the full or short schedule")
     p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--server-env", action="append", default=[], metavar="PD_EXTPROC_X=VALUE",
+                   help="a setting of our server (repeatable; overrides the soak's own)")
     p.add_argument("--dump-records", action="store_true", help="write both emulators' records of every segment")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     p.add_argument("--envoy-bin", default=os.environ.get("PD_EXTPROC_ENVOY_BIN", "envoy"))
