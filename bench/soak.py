@@ -393,14 +393,14 @@ class Soak:
     # --- the run -------------------------------------------------------------------------------------------
 
     def schedule(self) -> list[str]:
+        """The segments in order: --schedule, the short one, or the full cycle repeated (the run stops
+        when the next segment would end after --minutes)."""
         if self.args.schedule:
             return self.args.schedule.split(",")
         if self.args.short:
             return list(SHORT_SCHEDULE)
-        cycle = list(FULL_CYCLE)
-        per_segment = self.args.segment + self.args.lease + 4.0
-        count = max(1, int(self.args.minutes * 60 / per_segment))
-        return [cycle[i % len(cycle)] for i in range(count)]
+        count = int(self.args.minutes * 60 / self.args.segment) + 1
+        return [FULL_CYCLE[i % len(FULL_CYCLE)] for i in range(count)]
 
     async def run(self) -> Report:
         self.report.started_utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -415,9 +415,10 @@ class Soak:
                 self.load = Load(self.stack.url, self.stack.prefill.address, self.args.rate, self.rng,
                                  self.args.large_bytes, (2 << 20) + 4096, limit=self.args.max_requests)
                 sender = asyncio.get_running_loop().create_task(self.load.run(session, stop))
-                ends = time.monotonic() + self.args.minutes * 60 + 120
-                for fault in self.schedule():
-                    if stop.is_set() or time.monotonic() > ends:
+                ends = self.t0 + self.args.minutes * 60
+                for index, fault in enumerate(self.schedule()):
+                    if stop.is_set() or (index and not self.args.schedule and not self.args.short
+                                         and time.monotonic() + self.args.segment > ends):
                         break
                     await self.segment(fault)
                 stop.set()
