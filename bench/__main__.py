@@ -15,7 +15,7 @@ import orjson
 from bench import machine, markdown, report
 from bench.run import Options, Run, execute
 from bench.systems import REPO, WORKER_SETS, default_tools, running_fleet
-from extproc.process import StackError
+from pd_extproc_lab.process import StackError
 
 BENCH_DIR = REPO / "bench"
 QUICK = {"rounds": 1, "seconds": 1, "warmup_seconds": 1, "large_body_rounds": 1, "large_body_requests": 1,

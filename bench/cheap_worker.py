@@ -17,7 +17,7 @@ What it still proves, per leg, on ``GET /_cheap/counters`` (``POST /_cheap/reset
                  ``bootstrap_host``)
   every role     ``plain``: generation requests with none of that; ``requests``: all of them
 
-There is no KV ledger (no lease, no pull): the emulated workers (extproc/emulator) prove that; these
+There is no KV ledger (no lease, no pull): the emulated workers (pd_extproc_lab/emulator) prove that; these
 only count that both legs ran and that decode got the handoff prefill made.
 """
 

@@ -4,7 +4,7 @@ One cheap prefill worker (bench/cheap_worker.py), one client process on uvloop s
 POSTs of the benchmark's prefill-sized body on one keep-alive connection; per candidate and round,
 REQUESTS requests, timed one by one, and the client process's CPU over them. Rounds are interleaved.
 
-    aiohttp      extproc.upstream.PrefillClient as the server uses it (every bound and cap on)
+    aiohttp      extproc.upstream.client.WorkerClient as the server uses it (every bound and cap on)
     pyreqwest    pyreqwest's async Client (Rust reqwest/hyper), body read whole, no cap
     httptools    an asyncio Protocol with httptools' response parser (llhttp), one pooled connection
     protocol     an asyncio Protocol with a parser written here (status line, headers, Content-Length)
@@ -32,19 +32,18 @@ import uvloop
 
 from bench.workers import CheapWorker
 from bench.workload import CHAT_PATH, chat_body
-from extproc.prefill_policy import PrefillPolicy
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import ResolvedTarget
-from extproc.upstream import PrefillClient, PrefillLimits
+from extproc.core.prefill_policy import PrefillPolicy
+from extproc.upstream.client import WorkerClient, WorkerLimits
+from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
 Post = Callable[[], Awaitable[bytes]]
 HEADERS = [("content-type", "application/json"), ("accept", "application/json")]
 
 
 async def _aiohttp(host: str, port: int, body: bytes) -> tuple[Post, Callable[[], Awaitable[None]]]:
-    client = PrefillClient(PrefillLimits(5, 30, 60, 1 << 20, 1024), PrefillPolicy((), allow_loopback=True))
+    client = WorkerClient(WorkerLimits(5, 30, 60, 1 << 20, 1024), PrefillPolicy((), allow_loopback=True))
     ip = ipaddress.ip_address(host)
-    target = ResolvedTarget(PrefillTarget(host, port, ip), ip, tls=False)
+    target = ResolvedTarget(WorkerAddress(host, port, ip), ip, tls=False)
 
     async def post() -> bytes:
         return (await client.post(target, CHAT_PATH, HEADERS, body)).body

@@ -1,6 +1,6 @@
 """What our Envoy's access log says about every request it served: counts by route, status and details.
 
-Our bootstrap logs one JSON object per request to stdout (see extproc/envoy_config.py); the bench
+Our bootstrap logs one JSON object per request to stdout (see extproc/envoy/bootstrap.py); the bench
 keeps that stream in a file. Failures that the load generator only counts are explained here, e.g.
 ``ext_proc_error_gRPC_error_14{no_healthy_upstream...}`` when Envoy took our server out of rotation.
 """

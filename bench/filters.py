@@ -34,9 +34,9 @@ from bench import envoy_plain, procs, wrk
 from bench.systems import default_tools
 from bench.workers import CheapWorker
 from bench.workload import write_bodies
-from extproc import process
 from extproc.config import load_settings
-from extproc.envoy_config import render_yaml
+from extproc.envoy.bootstrap import render_yaml
+from pd_extproc_lab import process
 
 Config = dict[str, Any]
 

@@ -20,7 +20,7 @@ import aiohttp
 from bench import procs
 from bench.systems import System
 from bench.workload import CHAT_PATH
-from extproc.emulator.worker import EmulatedWorker
+from pd_extproc_lab.emulator.worker import EmulatedWorker
 
 
 @dataclass

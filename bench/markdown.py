@@ -25,7 +25,7 @@ SET_DESCRIPTIONS = {
              "prefill's engine id) and distinct handoff ids",
     "cheap-sglang": "`bench/cheap_worker.py --engine sglang`: the same, SGLang-shaped; counts requests carrying "
                     "`bootstrap_room` (and, at decode, `bootstrap_host`)",
-    "emulated": "`pd-extproc emulate` (extproc/emulator/vllm.py): vLLM 0.32 shapes, KV leases granted by "
+    "emulated": "`pd-extproc emulate` (pd_extproc_lab/emulator/vllm.py): vLLM 0.32 shapes, KV leases granted by "
                 "prefill and pulled by decode over its side channel, every pull counted",
 }
 SYSTEM_DESCRIPTIONS = {

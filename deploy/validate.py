@@ -9,12 +9,19 @@ What is checked, and against what (sources and versions: deploy/schemas/SOURCES.
   Specification schema of docker compose v2.40.3 (deploy/schemas/compose-spec.json), then ``docker
   compose config`` of that same release, for every PD_ENGINE and for the GPU override merged in.
   (tests/compose also builds the image and brings the file up with a real container engine.)
-- Core Kubernetes objects: kubernetes-validate's schemas, strict (unknown fields are errors), for
-  every Kubernetes version in K8S_VERSIONS.
-- Gateway API objects: @kubernetes-models/gateway-api's schemas (Node.js from PyPI, deploy/schemas/gateway-api).
-- InferencePool: NO upstream schema could be obtained offline. ``inference_pool_problems`` checks
-  only the fields these manifests use, as GIE's v1 API defines them (research/envoy-ext-proc.md §10);
-  it is a contract check, not a CRD schema validation.
+- Kubernetes: what ``kubectl kustomize`` (kubectl 1.37.1 from PyPI, deploy/tools.py) renders from every
+  overlay in k8s/overlays, object by object:
+  - core kinds: kubernetes-validate's schemas, strict (unknown fields are errors), for every Kubernetes
+    version in K8S_VERSIONS;
+  - Gateway API, prometheus-operator (ServiceMonitor, PodMonitor) and GKE (HealthCheckPolicy,
+    GCPBackendPolicy) kinds: the @kubernetes-models packages' schemas (Node.js from PyPI,
+    deploy/schemas/gateway-api);
+  - custom resources (InferencePool, Envoy Gateway's policies, Istio's EnvoyFilter): the released CRDs'
+    schemas in deploy/schemas/crds (deploy/crd_schema.py), strictly; InferencePools also pass
+    ``inference_pool_problems`` and ClientTrafficPolicies ``client_traffic_policy_problems``, contract
+    checks of the fields these manifests rely on.
+- Gateway mode (k8s/gateway-mode and its variants, each a kustomization): rendered the same way, every
+  rendered object checked as above. Plain files elsewhere under k8s/ are validated one by one.
 Each validator returns a list of problems (empty = valid), so tests can plant errors and see them.
 """
 
@@ -35,19 +42,24 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
 
-from deploy import tools
-from deploy.render_manifests import COMPOSE_ENGINES
+from deploy import crd_schema, tools
+from deploy.render_manifests import COMPOSE_ENGINES, K8S_CONFIG
 
 REPO = tools.REPO
 COMPOSE_FILE = REPO / "envoy" / "docker-compose.yaml"
 COMPOSE_GPU_FILE = REPO / "envoy" / "docker-compose.gpu.yaml"
 COMPOSE_SCHEMA = REPO / "deploy" / "schemas" / "compose-spec.json"
 K8S_DIR = REPO / "k8s"
+K8S_OVERLAYS = REPO / "k8s" / "overlays"
 # The oldest Kubernetes the manifests need (the preStop `sleep` action is on by default from 1.30)
 # and the newest kubernetes-validate 1.37.0 knows.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 GATEWAY_API_GROUPS = ("gateway.networking.k8s.io", "gateway.networking.x-k8s.io")
+# Kinds the node validator knows (deploy/schemas/gateway-api/validate.mjs): Gateway API, Prometheus
+# Operator, GKE.
+NODE_GROUPS = (*GATEWAY_API_GROUPS, "monitoring.coreos.com", "networking.gke.io")
 INFERENCE_GROUP = "inference.networking.k8s.io"
+ENVOY_GATEWAY_GROUP = "gateway.envoyproxy.io"
 TIMEOUT = 120
 
 
@@ -84,8 +96,56 @@ def load_documents(paths: Iterable[Path]) -> list[Document]:
     return docs
 
 
+# The kustomize package and gateway mode: validated as what they render, never file by file.
+KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode")
+GATEWAY_MODE = K8S_DIR / "gateway-mode"
+KUSTOMIZATION = "kustomization.yaml"
+
+
 def k8s_files(directory: Path = K8S_DIR) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
+    """Plain manifests under k8s/ outside the kustomize package (validated as they are)."""
+    return sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml", ".json")
+                  and p.relative_to(directory).parts[0] not in KUSTOMIZE_DIRS)
+
+
+def overlays(directory: Path = K8S_OVERLAYS) -> list[Path]:
+    """Every kustomize overlay (a directory with a kustomization.yaml)."""
+    return sorted(p.parent for p in directory.glob("*/kustomization.yaml"))
+
+
+class RenderError(ValueError):
+    """kubectl kustomize refused an overlay; the message is its error."""
+
+
+_RENDERED: dict[Path, list[Document]] = {}
+
+
+def render_overlay(overlay: Path) -> list[Document]:
+    """The objects ``kubectl kustomize`` renders from an overlay (cached: the files do not change in a run)."""
+    if overlay not in _RENDERED:
+        result = subprocess.run([str(tools.kubectl_bin()), "kustomize", str(overlay)], capture_output=True,
+                                text=True, timeout=TIMEOUT, check=False)
+        if result.returncode != 0:
+            raise RenderError(f"kubectl kustomize {_rel(overlay)}: {result.stderr.strip()}")
+        bodies = [body for body in yaml.safe_load_all(result.stdout) if body is not None]
+        _RENDERED[overlay] = [Document(overlay, index, body) for index, body in enumerate(bodies)]
+    return list(_RENDERED[overlay])
+
+
+def kustomize_roots(directory: Path = GATEWAY_MODE) -> list[Path]:
+    """Gateway mode's kustomize folders (each holds a kustomization.yaml)."""
+    return sorted(p.parent for p in directory.rglob(KUSTOMIZATION))
+
+
+def kustomize_documents(root: Path) -> list[Document]:
+    """``kubectl kustomize ROOT``: the objects that ``kubectl apply -k ROOT`` would send."""
+    return render_overlay(root)
+
+
+def k8s_documents() -> list[Document]:
+    """Every object every overlay and gateway-mode folder renders, and the plain manifests beside them."""
+    rendered = [doc for root in overlays() + kustomize_roots() for doc in render_overlay(root)]
+    return rendered + load_documents(k8s_files())
 
 
 # ---------------------------------------------------------------------------------------------- Envoy
@@ -98,14 +158,15 @@ def is_envoy_bootstrap(text: str) -> bool:
     return isinstance(body, dict) and "static_resources" in body
 
 
-def envoy_configs(compose_dir: Path = REPO / "envoy", k8s_dir: Path = K8S_DIR) -> dict[str, str]:
-    """Every Envoy bootstrap in the repository, by label: files and ConfigMap entries."""
+def envoy_configs(compose_dir: Path = REPO / "envoy", k8s_config: Path = K8S_CONFIG) -> dict[str, str]:
+    """Every Envoy bootstrap in the repository, by label: files and ConfigMap entries (the k8s one is in
+    the generated ConfigMaps every overlay takes from k8s/base)."""
     found = {}
     for path in sorted(compose_dir.glob("*.yaml")):
         text = path.read_text()
         if is_envoy_bootstrap(text):
             found[_rel(path)] = text
-    for doc in load_documents(k8s_files(k8s_dir)):
+    for doc in load_documents([k8s_config]):
         if doc.body.get("kind") != "ConfigMap":
             continue
         for key, text in (doc.body.get("data") or {}).items():
@@ -174,7 +235,8 @@ def core_problems(body: dict[str, Any], versions: Sequence[str] = K8S_VERSIONS) 
 
 
 def gateway_api_problems(bodies: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """Problems per object, in order, from the pinned Gateway API schemas (one node process)."""
+    """Problems per object, in order, from the pinned @kubernetes-models schemas (one node process):
+    Gateway API, Prometheus Operator and GKE kinds."""
     if not bodies:
         return []
     script = tools.gateway_api_validator()
@@ -183,7 +245,8 @@ def gateway_api_problems(bodies: Sequence[Mapping[str, Any]]) -> list[list[str]]
     if result.returncode not in (0, 1):
         raise RuntimeError(f"gateway-api validator failed: {result.stderr.strip()}")
     answers = json.loads(result.stdout)
-    return [[f"Gateway API: {e}" for e in answer["errors"]] for answer in answers]
+    return [[f"{api_group(body)} schema: {e}" for e in answer["errors"]] for body, answer in zip(bodies, answers,
+                                                                                               strict=True)]
 
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -245,17 +308,88 @@ def inference_pool_problems(body: Mapping[str, Any]) -> list[str]:
     return [f"InferencePool contract: {p}" for p in problems]
 
 
+# Envoy Gateway v1.9.0 (tag commit 39763b1c07ec30a5526fe70434a2cfe4181de642), api/v1alpha1:
+# ClientTrafficPolicySpec (clienttrafficpolicy_types.go) with PolicyTargetReferences inlined
+# (policy_helpers.go); HeaderSettings (clienttrafficpolicy_types.go); ClientConnection (connection_types.go:
+# bufferLimit is a resource.Quantity with the pattern below); HTTPHeaderFilter (shared_types.go).
+_CTP_SPEC_KEYS = {"targetRef", "targetRefs", "targetSelectors", "tcpKeepalive", "enableProxyProtocol", "proxyProtocol",
+                  "clientIPDetection", "tls", "path", "headers", "timeout", "connection", "http1", "http2", "http3",
+                  "grpc", "healthCheck", "scheme"}
+_CTP_HEADER_KEYS = {"enableEnvoyHeaders", "disableRateLimitHeaders", "xForwardedClientCert", "withUnderscoresAction",
+                    "preserveXRequestID", "requestID", "earlyRequestHeaders", "lateResponseHeaders"}
+_CTP_CONNECTION_KEYS = {"connectionLimit", "bufferLimit", "socketBufferLimit", "maxAcceptPerSocketEvent"}
+_HEADER_FILTER_KEYS = {"set", "add", "addIfAbsent", "remove"}
+_QUANTITY = re.compile(r"[1-9]+[0-9]*([EPTGMK]i|[EPTGMk])?")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # gwapiv1.HTTPHeaderName
+
+
+def client_traffic_policy_problems(body: Mapping[str, Any]) -> list[str]:
+    """Contract check of an Envoy Gateway ClientTrafficPolicy (NOT its CRD schema, which no registry ships).
+
+    Checks: apiVersion gateway.envoyproxy.io/v1alpha1; spec keys known to v1.9.0; targetRefs (the only way
+    we target: a non-empty list of {group: gateway.networking.k8s.io, kind: Gateway, name}, the CRD's CEL
+    rules); connection keys, bufferLimit's pattern; headers keys, earlyRequestHeaders' keys, remove a list
+    of 1-64 header names.
+    """
+    problems: list[str] = []
+    if body.get("apiVersion") != f"{ENVOY_GATEWAY_GROUP}/v1alpha1" or body.get("kind") != "ClientTrafficPolicy":
+        return [f"ClientTrafficPolicy contract: expected {ENVOY_GATEWAY_GROUP}/v1alpha1 ClientTrafficPolicy"]
+    spec = body.get("spec")
+    if not isinstance(spec, dict):
+        return ["ClientTrafficPolicy contract: spec: expected a mapping"]
+    problems.extend(f"spec.{key}: unknown field" for key in sorted(set(spec) - _CTP_SPEC_KEYS))
+    refs = spec.get("targetRefs")
+    if not isinstance(refs, list) or not refs:
+        problems.append("spec.targetRefs: expected a non-empty list")
+    else:
+        for i, ref in enumerate(refs):
+            if not isinstance(ref, dict) or set(ref) - {"group", "kind", "name", "sectionName"}:
+                problems.append(f"spec.targetRefs[{i}]: expected {{group, kind, name[, sectionName]}}")
+            elif (ref.get("group"), ref.get("kind")) != ("gateway.networking.k8s.io", "Gateway") or \
+                    not isinstance(ref.get("name"), str) or not _DNS_LABEL.fullmatch(ref["name"]):
+                problems.append(f"spec.targetRefs[{i}]: expected a Gateway (group gateway.networking.k8s.io) by name")
+    connection = spec.get("connection", {})
+    if not isinstance(connection, dict):
+        problems.append("spec.connection: expected a mapping")
+    else:
+        problems.extend(f"spec.connection.{key}: unknown field"
+                        for key in sorted(set(connection) - _CTP_CONNECTION_KEYS))
+        limit = connection.get("bufferLimit")
+        if limit is not None and not _QUANTITY.fullmatch(str(limit)):
+            problems.append(f"spec.connection.bufferLimit: {limit!r} does not match {_QUANTITY.pattern}")
+    headers = spec.get("headers", {})
+    if not isinstance(headers, dict):
+        problems.append("spec.headers: expected a mapping")
+    else:
+        problems.extend(f"spec.headers.{key}: unknown field" for key in sorted(set(headers) - _CTP_HEADER_KEYS))
+        early = headers.get("earlyRequestHeaders", {})
+        if not isinstance(early, dict):
+            problems.append("spec.headers.earlyRequestHeaders: expected a mapping")
+        else:
+            problems.extend(f"spec.headers.earlyRequestHeaders.{key}: unknown field"
+                            for key in sorted(set(early) - _HEADER_FILTER_KEYS))
+            remove = early.get("remove")
+            if remove is not None and (not isinstance(remove, list) or not 1 <= len(remove) <= 64 or not all(
+                    isinstance(name, str) and _HEADER_NAME.fullmatch(name) for name in remove)):
+                problems.append("spec.headers.earlyRequestHeaders.remove: expected 1-64 header names")
+    return [f"ClientTrafficPolicy contract: {p}" for p in problems]
+
+
 def k8s_problems(docs: Sequence[Document]) -> dict[str, list[str]]:
     """Problems per document label; every document is checked by exactly one validator."""
     out: dict[str, list[str]] = {}
-    gateway_docs = [d for d in docs if api_group(d.body) in GATEWAY_API_GROUPS]
+    gateway_docs = [d for d in docs if api_group(d.body) in NODE_GROUPS]
     for doc, problems in zip(gateway_docs, gateway_api_problems([d.body for d in gateway_docs]), strict=True):
         out[doc.label] = problems
     for doc in docs:
         if doc in gateway_docs:
             continue
         if api_group(doc.body) == INFERENCE_GROUP:
-            out[doc.label] = inference_pool_problems(doc.body)
+            out[doc.label] = crd_schema.crd_problems(doc.body) + inference_pool_problems(doc.body)
+        elif api_group(doc.body) == ENVOY_GATEWAY_GROUP and doc.body.get("kind") == "ClientTrafficPolicy":
+            out[doc.label] = crd_schema.crd_problems(doc.body) + client_traffic_policy_problems(doc.body)
+        elif api_group(doc.body) in crd_schema.groups():
+            out[doc.label] = crd_schema.crd_problems(doc.body)
         elif is_core(doc.body):
             out[doc.label] = core_problems(doc.body)
         else:
@@ -276,7 +410,12 @@ def all_problems() -> dict[str, list[str]]:
             COMPOSE_FILE, env={"PD_ENGINE": engine})
     report[f"docker compose config: {_rel(COMPOSE_FILE)} + {_rel(COMPOSE_GPU_FILE)}"] = compose_tool_problems(
         COMPOSE_FILE, COMPOSE_GPU_FILE)
-    for label, problems in k8s_problems(load_documents(k8s_files())).items():
+    try:
+        docs = k8s_documents()
+    except RenderError as exc:
+        report["kubectl kustomize"] = [str(exc)]
+        docs = []
+    for label, problems in k8s_problems(docs).items():
         report[f"k8s: {label}"] = problems
     return report
 

@@ -1,13 +1,19 @@
-"""pd-extproc serve | envoy-config | envoy | up | emulate."""
+"""pd-extproc serve | envoy-config | envoy | up | emulate.
+
+``serve``, ``envoy-config`` and ``envoy`` are the product; ``up`` (the demo stack) and ``emulate`` (an
+emulated engine) are the lab's (pd_extproc_lab), imported only when one of them runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -18,10 +24,11 @@ from typing import Any
 
 import uvloop
 
-from extproc import logs, ready
-from extproc.adapters import BY_ENGINE
-from extproc.config import SPECS, ConfigError, Settings, add_arguments, load_settings
-from extproc.emulator import ROLES
+from extproc import ready
+from extproc._version import __version__
+from extproc.adapters import EngineLoadError, by_engine, engines
+from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, Settings, add_arguments, load_settings, specs
+from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
 
@@ -31,7 +38,7 @@ EXIT_RUNTIME = 1
 
 
 def _settings(args: argparse.Namespace, environ: Mapping[str, str], consistent: bool = True) -> Settings:
-    flags = {spec.name: getattr(args, spec.name, None) for spec in SPECS}
+    flags = {spec.name: getattr(args, spec.name, None) for spec in specs()}
     return load_settings(environ, flags, consistent)
 
 
@@ -42,7 +49,7 @@ def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
-    from extproc.server import ListenError, serve
+    from extproc.app import ListenError, serve
 
     def announce(address: str, metrics_port: int) -> None:
         sys.stdout.write(ready.format_line(grpc=address, metrics=metrics_port) + "\n")
@@ -58,21 +65,43 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc.envoy_config import render_yaml
+    from extproc.envoy.bootstrap import render_yaml
 
     sys.stdout.write(render_yaml(_settings(args, environ)))
     return 0
 
 
-def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import envoy_runner
+ENVOY_HELP = """usage: pd-extproc envoy [ENVOY ARGUMENTS ...]
 
+Run Envoy in the foreground with these arguments, passed to it unchanged (plus --admin-address-path).
+On the first SIGTERM or SIGINT, drain Envoy's listeners, wait until no request is in flight or
+PD_EXTPROC_DRAIN_TIMEOUT has passed, then stop Envoy; a second signal stops it at once.
+
+The binary is PD_EXTPROC_ENVOY_BIN (default: envoy on PATH). Envoy's own options: {envoy_bin} --help
+"""
+
+
+def cmd_envoy(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from extproc.envoy import runner as envoy_runner
+
+    if any(arg in ("-h", "--help") for arg in args.envoy_args):  # help even while a setting is wrong
+        sys.stdout.write(ENVOY_HELP.format(envoy_bin=environ.get(ENV_PREFIX + "ENVOY_BIN", "envoy")))
+        return 0
     settings = load_settings(environ)
-    return envoy_runner.run(settings.envoy_bin, args.envoy_args, settings.drain_timeout)
+    try:
+        envoy_bin = envoy_runner.find_envoy(settings.envoy_bin)
+    except envoy_runner.EnvoyNotFound as exc:
+        sys.stderr.write(f"pd-extproc envoy: {exc}\n")
+        return EXIT_RUNTIME
+    return envoy_runner.run(envoy_bin, args.envoy_args, settings.drain_timeout)
+
+
+LAB_EXTRA_MISSING = ("pd-extproc emulate: the emulated engines need the lab extra, which is not installed: "
+                     "pip install 'pd-extproc[lab]'\n")
 
 
 def cmd_emulate(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import emulator
+    from pd_extproc_lab import emulator
 
     logging.basicConfig(level=logging.WARNING)
     tls = emulator.server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -90,11 +119,22 @@ _UP_PICKS = {"listen": "127.0.0.1:0", "envoy_admin": "127.0.0.1:0", "metrics_lis
 
 
 def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from extproc import process, stack
-
+    settings = _settings(args, environ, consistent=False)  # bad values fail before the folder exists
     workdir = Path(tempfile.mkdtemp(prefix="pd-extproc-up-"))
+    try:
+        return _up(args, environ, settings, workdir)
+    finally:
+        if args.keep_logs:
+            _say(f"logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings, workdir: Path) -> int:
+    from pd_extproc_lab import process, stack
+
     # The demo may add settings of its own (a shared key), so the full check runs once they are in.
-    workers, demo_env = _demo_workers(_settings(args, environ, consistent=False), workdir)
+    workers, demo_env = _demo_workers(settings, workdir)
     environ = {**environ, **demo_env}
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
@@ -145,12 +185,11 @@ def cmd_up(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 def _demo_workers(settings: Settings, workdir: Path) -> tuple[list[Any], dict[str, str]]:
     """With --demo: the configured engine's emulated prefill and decode workers, and the settings the
     engine's demo needs (e.g. a shared key both sides read)."""
-    from extproc.adapters import ENGINES
-    from extproc.emulator.worker import WorkerSpec
+    from pd_extproc_lab.emulator.worker import WorkerSpec
 
     if not settings.demo:
         return [], {}
-    engine = ENGINES.get(settings.adapter, ENGINES["vllm_nixl"])
+    engine = engines().get(settings.adapter, engines()["vllm_nixl"])
     env: dict[str, str] = dict(engine.demo.env)
     args: tuple[str, ...] = ()
     if engine.demo.key_setting:
@@ -192,12 +231,21 @@ def _print_ready(running: Any, workdir: Path) -> None:
     sys.stdout.flush()
 
 
+def _engines_epilog() -> str:
+    """The registered engines (plugins included) with their one-line summaries, for --help."""
+    lines = [f"  {name}: {engine.summary or engine.engine}" for name, engine in engines().items()]
+    return "engines (PD_EXTPROC_ADAPTER):\n" + "\n".join(lines) + "\n  none: the kill switch (P/D answered 501)"
+
+
 def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``emulator_engine``, ``emulate`` also has that engine's emulator options."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run the ext_proc gRPC server")
-    add_arguments(serve)
+    serve = commands.add_parser("serve", help="run the ext_proc gRPC server", epilog=_engines_epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Only the settings the server reads; Envoy's are for envoy-config and up (the variables are still read).
+    add_arguments(serve, [spec.name for spec in specs() if spec.name not in ENVOY_ONLY_SETTINGS])
     serve.set_defaults(run=cmd_serve)
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
@@ -209,25 +257,16 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy.set_defaults(run=cmd_envoy)
     up = commands.add_parser("up", help="run Envoy and the server in the foreground")
     add_arguments(up)
+    up.add_argument("--keep-logs", action="store_true",
+                    help="keep the children's logs and files (a pd-extproc-up-* folder under $TMPDIR) after "
+                         "stopping; by default the folder is deleted")
     up.set_defaults(run=cmd_up)
     emulate = commands.add_parser("emulate", help="run an emulated inference engine (tests and demo)")
-    emulate.add_argument("--engine", choices=tuple(BY_ENGINE), default="vllm",
-                         help="the inference engine whose worker to emulate")
-    emulate.add_argument("--role", choices=ROLES, required=True)
-    emulate.add_argument("--listen", default="127.0.0.1:0", help="HTTP host:port (port 0 = any free port)")
-    emulate.add_argument("--side-channel", default="127.0.0.1:0",
-                         help="KV side channel host:port: vLLM's NIXL side channel, SGLang's bootstrap server, "
-                              "TensorRT-LLM's KV registry (prefill roles)")
-    emulate.add_argument("--model", default="emulated")
-    emulate.add_argument("--worker-id", default="")
-    emulate.add_argument("--tls-cert", default="", help="serve HTTPS with this certificate (PEM)")
-    emulate.add_argument("--tls-key", default="", help="the certificate's key (PEM)")
-    emulate.add_argument("--tls-client-ca", default="", help="require client certificates from this CA (mTLS)")
     emulate.set_defaults(run=cmd_emulate)
-    if emulator_engine is not None:
-        from extproc.emulator import add_engine_arguments
+    if emulator_engine is not None:  # only when `emulate` is the command: its options are the lab's
+        from pd_extproc_lab.emulator import add_arguments as add_emulator_arguments
 
-        add_engine_arguments(emulate, emulator_engine)
+        add_emulator_arguments(emulate, tuple(by_engine()), emulator_engine)
     return parser
 
 
@@ -235,18 +274,24 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse the command line; ``emulate`` also takes the chosen engine's own emulator options."""
     argv = list(sys.argv[1:] if argv is None else argv)
     engine = None
+    # The emulators' HTTP stack is the `lab` extra, not a runtime dependency; their options import it.
+    if argv[:1] == ["emulate"] and importlib.util.find_spec("aiohttp") is None:
+        sys.stderr.write(LAB_EXTRA_MISSING)
+        sys.exit(EXIT_CONFIG)
     if argv[:1] == ["emulate"]:
         first = argparse.ArgumentParser(add_help=False)
         first.add_argument("--engine", default="vllm")
         engine = first.parse_known_args(argv[1:])[0].engine
-    return build_parser(engine if engine in BY_ENGINE else None).parse_args(argv)
+        if engine not in by_engine():
+            engine = "vllm"  # argparse then refuses the --engine value with the choices
+    return build_parser(engine).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = _parse(argv)
     try:
+        args = _parse(argv)
         return int(args.run(args, os.environ if environ is None else environ))
-    except ConfigError as exc:
+    except (ConfigError, EngineLoadError) as exc:
         sys.stderr.write(f"pd-extproc: {exc}\n")
         return EXIT_CONFIG
 

@@ -9,12 +9,13 @@ import argparse
 import dataclasses
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Any
 
-from extproc.adapters import ENGINES, KILL_SWITCH, protocol_problem
-from extproc.prefill_policy import Rule, describe, parse_allow_list
+from extproc.adapters import KILL_SWITCH, engines, protocol_problem
+from extproc.core.prefill_policy import Rule, describe, parse_allow_list
 from extproc.settings_spec import (
     ENV_PREFIX,
     SettingSpec,
@@ -25,88 +26,26 @@ from extproc.settings_spec import (
     positive_duration,
     positive_int,
     positive_size,
+    show_plain,
     text_value,
 )
 from extproc.units import Address, format_duration, parse_address, parse_duration
 
-ADAPTERS = (*ENGINES, KILL_SWITCH)
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Every engine's own settings, declared in its Engine (extproc/adapters/).
-ENGINE_SPECS: tuple[SettingSpec, ...] = tuple(spec for engine in ENGINES.values() for spec in engine.settings)
+
+
+def setting(default: Any, parse: Callable[[str], Any], help: str, show: Callable[[Any], str] = show_plain) -> Any:
+    """A Settings field that is also a setting: PD_EXTPROC_<NAME>, --<name>, its parser and help."""
+    return field(default=default, metadata={"parse": parse, "help": help, "show": show})
+
+
+def _adapter_name(text: str) -> str:
+    # The registry is read when a value is parsed, not at import: a broken plugin is reported by the CLI.
+    return choice((*engines(), KILL_SWITCH))(text)
 
 
 def _engine_defaults() -> dict[str, Any]:
-    return {spec.name: spec.default for spec in ENGINE_SPECS}
-
-
-class ConfigError(ValueError):
-    """One or more settings are invalid; the message lists every problem."""
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    adapter: str = "vllm_nixl"
-    protocol: str = ""
-    grpc_listen: Address = Address("127.0.0.1", 50051)
-    listen: Address = Address("0.0.0.0", 8000)
-    decode: Address = Address("127.0.0.1", 8200)
-    envoy_admin: Address = Address("127.0.0.1", 9901)
-    envoy_stats_listen: Address | None = None  # None = no stats listener
-    envoy_bin: str = "envoy"
-    max_request_bytes: int = 32 << 20
-    max_prefill_response_bytes: int = 1 << 20
-    prefill_connect_timeout: float = 5.0
-    prefill_read_timeout: float = 30.0
-    prefill_deadline: float = 60.0
-    envoy_message_timeout: float = 0.0  # 0 = derived: prefill_deadline + ENVOY_MESSAGE_MARGIN
-    client_body_timeout: float = 30.0
-    decode_idle_timeout: float = 300.0
-    drain_timeout: float = 30.0
-    max_inflight: int = 1024
-    metrics_listen: Address = Address("0.0.0.0", 9190)
-    prefill_allow: tuple[Rule, ...] = ()
-    prefill_tls: bool = False
-    prefill_ca_file: str = ""
-    prefill_cert_file: str = ""
-    prefill_key_file: str = ""
-    prefill_server_name: str = ""
-    trusted_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-    tracing: str = "off"
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    log_level: str = "info"
-    demo: bool = False
-    prefill_fallback: str = "off"
-    decode_queue_limit: int = 0  # 0 = off
-    decode_queue_interval: float = 1.0
-    # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
-    engine_options: Mapping[str, Any] = field(default_factory=_engine_defaults)
-
-    def value(self, name: str) -> Any:
-        """A core setting or an engine's own setting, by name."""
-        if name in self.engine_options:
-            return self.engine_options[name]
-        return getattr(self, name)
-
-    @property
-    def message_timeout(self) -> float:
-        """Envoy's per-message ext_proc timeout: always above our own prefill deadline."""
-        if self.envoy_message_timeout:
-            return self.envoy_message_timeout
-        return self.prefill_deadline + ENVOY_MESSAGE_MARGIN
-
-    @property
-    def grpc_max_message_bytes(self) -> int:
-        """gRPC message limit on both sides: a body plus its mutation must fit, and never below 64 MiB."""
-        return max(64 << 20, 2 * self.max_request_bytes + (1 << 20))
-
-    def describe(self) -> dict[str, str]:
-        """The effective settings for the startup log line. Secrets are never settings values: a key
-        setting holds the path of its file, which is read only when the adapter is built."""
-        return {spec.name: spec.show(self.value(spec.name)) for spec in SPECS}
-
-
-# Envoy must not time out before we answer our own deadline with a JSON error.
-ENVOY_MESSAGE_MARGIN = 5.0
+    return {spec.name: spec.default for spec in engine_specs()}
 
 
 def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -132,64 +71,135 @@ def _http_url(text: str) -> str:
     return url
 
 
-SPECS: tuple[SettingSpec, ...] = (
-    SettingSpec("adapter", choice(ADAPTERS), "P/D protocol adapter: " + ", ".join(ADAPTERS)
-                + " (none answers P/D requests with 501)"),
-    SettingSpec("protocol", text_value, "protocol pin of the adapter; empty = the adapter's default pin"),
-    SettingSpec("grpc_listen", lambda t: parse_address(t, allow_unix=True, allow_port_zero=True),
-                "ext_proc gRPC listen address: host:port or unix:/path"),
-    SettingSpec("listen", lambda t: parse_address(t, allow_port_zero=True), "Envoy listener host:port"),
-    SettingSpec("decode", parse_address, "local decode worker host:port (the only decode destination)"),
-    SettingSpec("envoy_admin", lambda t: parse_address(t, allow_port_zero=True), "Envoy admin host:port"),
-    SettingSpec("envoy_stats_listen", _optional_address,
-                "host:port where Envoy serves only its /stats/prometheus (P/D timing histograms) for a "
-                "scraper; empty = none (the admin port stays private)", show=_show_optional),
-    SettingSpec("envoy_bin", text_value, "Envoy binary to run (a path or a name on PATH)"),
-    SettingSpec("max_request_bytes", positive_size, "largest client request body (Envoy 413 above it)"),
-    SettingSpec("max_prefill_response_bytes", positive_size, "largest prefill response body read"),
-    SettingSpec("prefill_connect_timeout", positive_duration, "connect timeout to a prefill worker"),
-    SettingSpec("prefill_read_timeout", positive_duration, "longest silence while reading the prefill response"),
-    SettingSpec("prefill_deadline", positive_duration, "total deadline for the whole prefill leg"),
-    SettingSpec("envoy_message_timeout", parse_duration,
-                "Envoy ext_proc message_timeout; 0s = prefill_deadline + 5s"),
-    SettingSpec("client_body_timeout", positive_duration, "time a client has to send the whole request"),
-    SettingSpec("decode_idle_timeout", positive_duration, "longest silence on a decode stream"),
-    SettingSpec("drain_timeout", positive_duration, "grace period for in-flight requests on shutdown"),
-    SettingSpec("max_inflight", positive_int, "in-flight P/D requests before 503 pd_overloaded"),
-    SettingSpec("metrics_listen", lambda t: parse_address(t, allow_port_zero=True),
-                "HTTP host:port for /metrics, /healthz and /readyz"),
-    SettingSpec("prefill_allow", parse_allow_list,
-                "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
-                "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)",
-                show=describe),
-    SettingSpec("prefill_tls", parse_bool, "use TLS to prefill workers"),
-    SettingSpec("prefill_ca_file", existing_file, "CA bundle for prefill TLS; empty = the system CAs"),
-    SettingSpec("prefill_cert_file", existing_file, "client certificate for prefill mTLS"),
-    SettingSpec("prefill_key_file", existing_file, "client key for prefill mTLS"),
-    SettingSpec("prefill_server_name", text_value, "TLS server name to verify; empty = the target's host"),
-    SettingSpec("trusted_sources", _networks,
-                "CIDRs allowed to set x-prefiller-host-port (Envoy drops it from other peers); empty = all",
-                show=_show_networks),
-    SettingSpec("tracing", choice(("off", "otlp")), "OpenTelemetry spans: off, or otlp (OTLP/HTTP JSON export)"),
-    SettingSpec("otlp_endpoint", _http_url, "OTLP/HTTP traces endpoint for tracing=otlp"),
-    SettingSpec("log_level", choice(LOG_LEVELS), "log level: debug, info, warning, error"),
-    SettingSpec("demo", parse_bool, "demo mode (pd-extproc up): start emulated workers"),
-    SettingSpec("prefill_fallback", choice(("off", "aggregated")),
-                "off, or aggregated: when the prefill worker is unreachable, too slow or answers 5xx, the local "
-                "decode worker serves the request whole (marked x-pd-fallback: aggregated); never for request errors"),
-    SettingSpec("decode_queue_limit", non_negative_int,
-                "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode worker has "
-                "more than this many requests waiting; 0 = off"),
-    SettingSpec("decode_queue_interval", positive_duration, "how often the decode worker's queue is read"),
-    *ENGINE_SPECS,
-)
-_SPEC_BY_NAME = {spec.name: spec for spec in SPECS}
-_ENGINE_SPEC_NAMES = frozenset(spec.name for spec in ENGINE_SPECS)
+class ConfigError(ValueError):
+    """One or more settings are invalid; the message lists every problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every core setting, declared once: its type, default, parser and help (``setting``)."""
+
+    adapter: str = setting(
+        "vllm_nixl", _adapter_name, "P/D protocol adapter: a registered engine's adapter (built in: vllm_nixl, "
+        "sglang, trtllm) or none (answers P/D requests with 501)")
+    protocol: str = setting("", text_value, "protocol pin of the adapter; empty = the adapter's default pin")
+    grpc_listen: Address = setting(
+        Address("127.0.0.1", 50051), lambda t: parse_address(t, allow_unix=True, allow_port_zero=True),
+        "ext_proc gRPC listen address: host:port or unix:/path")
+    listen: Address = setting(Address("0.0.0.0", 8000), lambda t: parse_address(t, allow_port_zero=True),
+                              "Envoy listener host:port")
+    decode: Address = setting(Address("127.0.0.1", 8200), parse_address,
+                              "local decode worker host:port (the only decode destination)")
+    envoy_admin: Address = setting(Address("127.0.0.1", 9901), lambda t: parse_address(t, allow_port_zero=True),
+                                   "Envoy admin host:port")
+    envoy_stats_listen: Address | None = setting(
+        None, _optional_address, "host:port where Envoy serves only its /stats/prometheus (P/D timing histograms) "
+        "for a scraper; empty = none (the admin port stays private)", show=_show_optional)
+    envoy_bin: str = setting("envoy", text_value, "Envoy binary to run (a path or a name on PATH)")
+    max_request_bytes: int = setting(32 << 20, positive_size, "largest client request body (Envoy 413 above it)")
+    max_prefill_response_bytes: int = setting(1 << 20, positive_size, "largest prefill response body read")
+    prefill_connect_timeout: float = setting(5.0, positive_duration, "connect timeout to a prefill worker")
+    prefill_read_timeout: float = setting(30.0, positive_duration,
+                                          "longest silence while reading the prefill response")
+    prefill_deadline: float = setting(60.0, positive_duration, "total deadline for the whole prefill leg")
+    envoy_message_timeout: float = setting(0.0, parse_duration,
+                                           "Envoy ext_proc message_timeout; 0s = prefill_deadline + 5s")
+    client_body_timeout: float = setting(30.0, positive_duration, "time a client has to send the whole request")
+    decode_idle_timeout: float = setting(300.0, positive_duration, "longest silence on a decode stream")
+    drain_timeout: float = setting(30.0, positive_duration, "grace period for in-flight requests on shutdown")
+    max_inflight: int = setting(1024, positive_int, "in-flight P/D requests before 503 pd_overloaded")
+    metrics_listen: Address = setting(Address("0.0.0.0", 9190), lambda t: parse_address(t, allow_port_zero=True),
+                                      "HTTP host:port for /metrics, /healthz and /readyz")
+    prefill_allow: tuple[Rule, ...] = setting(
+        (), parse_allow_list, "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
+        "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)", show=describe)
+    prefill_tls: bool = setting(False, parse_bool, "use TLS to prefill workers")
+    prefill_ca_file: str = setting("", existing_file, "CA bundle for prefill TLS; empty = the system CAs")
+    prefill_cert_file: str = setting("", existing_file, "client certificate for prefill mTLS")
+    prefill_key_file: str = setting("", existing_file, "client key for prefill mTLS")
+    prefill_server_name: str = setting("", text_value, "TLS server name to verify; empty = the target's host")
+    trusted_sources: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = setting(
+        (), _networks, "CIDRs allowed to set x-prefiller-host-port (Envoy drops it from other peers); empty = all",
+        show=_show_networks)
+    tracing: str = setting("off", choice(("off", "otlp")),
+                           "OpenTelemetry spans: off, or otlp (OTLP/HTTP JSON export)")
+    otlp_endpoint: str = setting("http://127.0.0.1:4318/v1/traces", _http_url,
+                                 "OTLP/HTTP traces endpoint for tracing=otlp")
+    log_level: str = setting("info", choice(LOG_LEVELS), "log level: debug, info, warning, error")
+    demo: bool = setting(False, parse_bool, "demo mode (pd-extproc up): start emulated workers")
+    prefill_fallback: str = setting(
+        "off", choice(("off", "aggregated")), "off, or aggregated: when the prefill worker is unreachable, too "
+        "slow or answers 5xx, the local decode worker serves the request whole (marked x-pd-fallback: "
+        "aggregated); never for request errors")
+    decode_queue_limit: int = setting(
+        0, non_negative_int, "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode "
+        "worker has more than this many requests waiting; 0 = off")
+    decode_queue_interval: float = setting(1.0, positive_duration, "how often the decode worker's queue is read")
+    # The engines' own settings by name (defaults where unset); the adapter gets them at build time.
+    engine_options: Mapping[str, Any] = field(default_factory=_engine_defaults)
+
+    def value(self, name: str) -> Any:
+        """A core setting or an engine's own setting, by name."""
+        if name in self.engine_options:
+            return self.engine_options[name]
+        return getattr(self, name)
+
+    @property
+    def message_timeout(self) -> float:
+        """Envoy's per-message ext_proc timeout: always above our own prefill deadline."""
+        if self.envoy_message_timeout:
+            return self.envoy_message_timeout
+        return self.prefill_deadline + ENVOY_MESSAGE_MARGIN
+
+    @property
+    def grpc_max_message_bytes(self) -> int:
+        """gRPC message limit on both sides: a body plus its mutation must fit, and never below 64 MiB."""
+        return max(64 << 20, 2 * self.max_request_bytes + (1 << 20))
+
+    def describe(self) -> dict[str, str]:
+        """The effective settings for the startup log line. Secrets are never settings values: a key
+        setting holds the path of its file, which is read only when the adapter is built."""
+        return {spec.name: spec.show(self.value(spec.name)) for spec in specs()}
+
+
+# Envoy must not time out before we answer our own deadline with a JSON error.
+ENVOY_MESSAGE_MARGIN = 5.0
+
+CORE_SPECS: tuple[SettingSpec, ...] = tuple(
+    SettingSpec(f.name, f.metadata["parse"], f.metadata["help"], f.metadata["show"])
+    for f in fields(Settings) if "parse" in f.metadata)
+
+
+@cache
+def engine_specs() -> tuple[SettingSpec, ...]:
+    """Every engine's own settings, declared in its Engine (extproc/adapters/, plugins included)."""
+    return tuple(spec for engine in engines().values() for spec in engine.settings)
+
+
+@cache
+def specs() -> tuple[SettingSpec, ...]:
+    """Every setting: the core ones, then the engines' own."""
+    return CORE_SPECS + engine_specs()
+
+
+@cache
+def _spec_by_name() -> dict[str, SettingSpec]:
+    return {spec.name: spec for spec in specs()}
+
+
+@cache
+def _spec_by_env() -> dict[str, SettingSpec]:
+    return {spec.env: spec for spec in specs()}
+
+
+# Settings only Envoy's bootstrap (envoy/bootstrap.py) or `up` use: `serve` has no flags for them.
+ENVOY_ONLY_SETTINGS = frozenset({"listen", "envoy_admin", "envoy_stats_listen", "envoy_bin", "envoy_message_timeout",
+                                 "client_body_timeout", "decode_idle_timeout", "trusted_sources"})
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:
     """Add one flag per setting; flags default to None so the environment applies when absent."""
-    for spec in SPECS:
+    for spec in specs():
         if names is not None and spec.name not in names:
             continue
         default = Settings().value(spec.name)
@@ -208,7 +218,7 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     values: dict[str, Any] = {}
     problems: list[str] = []
     flags = flags or {}
-    for spec in SPECS:
+    for spec in specs():
         raw = flags.get(spec.name)
         source = spec.flag
         if raw is None:
@@ -220,17 +230,21 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
             values[spec.name] = spec.parse(raw)
         except ValueError as exc:
             problems.append(f"{source}: {exc}")
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower()
-                     not in _SPEC_BY_NAME)
-    problems.extend(f"{name}: unknown setting" for name in unknown)
+    # Names are exact: PD_EXTPROC_prefill_allow is refused like a misspelling, never silently ignored.
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in _spec_by_env())
+    problems.extend(f"{name}: unknown setting{_did_you_mean(name)}" for name in unknown)
     if problems:
         raise ConfigError("invalid settings:\n  " + "\n  ".join(problems))
-    options = {name: values.pop(name) for name in list(values) if name in _ENGINE_SPEC_NAMES}
+    options = {name: values.pop(name) for name in list(values) if name in {spec.name for spec in engine_specs()}}
     settings = dataclasses.replace(Settings(), **values, engine_options={**_engine_defaults(), **options})
     problems = check_consistency(settings) if consistent else []
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings
+
+
+def _did_you_mean(name: str) -> str:
+    return f" (did you mean {name.upper()}?)" if name.upper() in _spec_by_env() else ""
 
 
 def check_consistency(settings: Settings) -> list[str]:
@@ -239,8 +253,8 @@ def check_consistency(settings: Settings) -> list[str]:
     protocol = protocol_problem(settings.adapter, settings.protocol)
     if protocol:
         problems.append(protocol)
-    elif settings.adapter in ENGINES:
-        engine = ENGINES[settings.adapter]
+    elif settings.adapter in engines():
+        engine = engines()[settings.adapter]
         problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
         if settings.prefill_fallback != "off" and engine.no_fallback:
             problems.append(f"prefill_fallback: adapter {settings.adapter} cannot fall back: {engine.no_fallback}")

@@ -1,6 +1,6 @@
 """End-to-end harness: a real Envoy, our server and emulated workers on loopback, ports chosen at runtime.
 
-The stack is started by ``extproc.stack.start_stack`` (the same code ``pd-extproc up`` and the
+The stack is started by ``pd_extproc_lab.stack.start_stack`` (the same code ``pd-extproc up`` and the
 benchmark use); every process binds port 0 and reports what it got, so no test ever assumes a port is
 free. Logs stay in the harness directory and are printed only when a test fails (see conftest.py).
 """
@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 
 from extproc.config import load_settings
-from extproc.emulator.worker import EmulatedWorker, WorkerSpec
-from extproc.stack import RunningStack, start_stack
 from extproc.units import parse_address
+from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec
+from pd_extproc_lab.stack import RunningStack, start_stack
 
 __all__ = ["REPO", "TEST_DEFAULTS", "Stack", "Worker", "WorkerSpec", "engine_workers", "envoy_bin", "running_stack"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from extproc.process import free_port
+from pd_extproc_lab.process import free_port
 from tests.harness import Stack
 
 CHAT = "/v1/chat/completions"
@@ -169,7 +169,7 @@ def assert_served_by_decode(response: Any) -> None:
 
 def client_request(path: str, body: dict[str, Any] | bytes) -> Any:
     """A validated ClientRequest, as the processor hands it to an adapter."""
-    from extproc.openai_request import parse_client_request
+    from extproc.core.openai_request import parse_client_request
 
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return parse_client_request(path, "application/json", raw, 1 << 20)

@@ -1,5 +1,6 @@
 """The engine registry: the built-in engines, plus any installed package's ``pd_extproc.engines`` entry
-points (each names an ``Engine``). ``none`` is the kill switch (no adapter).
+points (each names an ``Engine``). ``none`` is the kill switch (no adapter). The registry is read on
+first use, not at import, so a broken plugin is an ``EngineLoadError`` the CLI reports in one line.
 
 Adding an engine is its module (an ``ENGINE``, its adapter), its emulator module and its tests: this
 registry, the settings, the CLI and the stack read everything else from the ``Engine``.
@@ -9,9 +10,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from functools import cache
 from importlib.metadata import entry_points
 
-from extproc.adapters.base import Adapter, Engine, Flow, Options
+from extproc.adapters.base import Adapter, Disabled, Engine, Flow, Options
 
 BUILTIN_MODULES = ("extproc.adapters.vllm_nixl", "extproc.adapters.sglang", "extproc.adapters.trtllm")
 ENTRY_POINT_GROUP = "pd_extproc.engines"
@@ -39,14 +41,21 @@ def _discover() -> dict[str, Engine]:
     return found
 
 
-ENGINES: Mapping[str, Engine] = _discover()
-# The same engines by inference engine name (vllm, sglang, trtllm), for `pd-extproc emulate --engine`.
-BY_ENGINE: Mapping[str, Engine] = {engine.engine: engine for engine in reversed(list(ENGINES.values()))}
+@cache
+def engines() -> Mapping[str, Engine]:
+    """Every registered engine by adapter name (built-ins first); raises EngineLoadError for a broken plugin."""
+    return _discover()
+
+
+@cache
+def by_engine() -> Mapping[str, Engine]:
+    """The same engines by inference engine name (vllm, sglang, trtllm), for `pd-extproc emulate --engine`."""
+    return {engine.engine: engine for engine in reversed(list(engines().values()))}
 
 
 def adapter_flow(adapter: str) -> Flow | None:
     """The flow of a registered adapter (None for the ``none`` kill switch)."""
-    engine = ENGINES.get(adapter)
+    engine = engines().get(adapter)
     return engine.flow if engine is not None else None
 
 
@@ -54,22 +63,22 @@ def protocol_problem(adapter: str, protocol: str) -> str | None:
     """Why this adapter/protocol pair cannot start, or None if it can."""
     if adapter == KILL_SWITCH:
         return None
-    if adapter not in ENGINES:
+    if adapter not in engines():
         return f"unknown adapter {adapter!r}"
-    pins = ENGINES[adapter].pins
+    pins = engines()[adapter].pins
     if protocol and protocol not in pins:
         return f"adapter {adapter} does not implement protocol {protocol!r} (supported: {', '.join(pins)})"
     return None
 
 
 def default_pin(adapter: str) -> str:
-    return ENGINES[adapter].pins[0]
+    return engines()[adapter].pins[0]
 
 
-def build_adapter(adapter: str, protocol: str, options: Options) -> Adapter | None:
-    """The adapter for a validated setting pair; None for the ``none`` kill switch. ``options`` holds
-    the engines' own settings by name (defaults where unset)."""
+def build_adapter(adapter: str, protocol: str, options: Options) -> Adapter | Disabled:
+    """The adapter for a validated setting pair; ``Disabled`` for the ``none`` kill switch. ``options``
+    holds the engines' own settings by name (defaults where unset)."""
     if adapter == KILL_SWITCH:
-        return None
-    engine = ENGINES[adapter]
+        return Disabled()
+    engine = engines()[adapter]
     return engine.build(protocol or engine.pins[0], options)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-from extproc.fields import ReservedField
-from extproc.openai_request import ClientRequest
-from extproc.prefill_target import PrefillTarget
+from extproc.core.fields import ReservedField
+from extproc.core.openai_request import ClientRequest
 from extproc.settings_spec import SettingSpec
+from extproc.upstream.transport import WorkerAddress, WorkerReply
 
 
 class Flow(Enum):
@@ -36,17 +36,10 @@ Headers = tuple[tuple[str, bytes], ...]
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillReply:
-    status: int
-    content_type: str | None
-    body: bytes
-
-
-@dataclass(frozen=True, slots=True)
 class PlanInput:
     """What the processor knows when an adapter plans the legs."""
 
-    target: PrefillTarget  # the address we resolved and checked (host is the IP's text)
+    target: WorkerAddress  # the address we resolved and checked (host is the IP's text)
     nonce: int  # 63 random bits, for the ids an engine needs (rooms, request ids)
     server_info: ServerInfo | None = None
 
@@ -127,7 +120,7 @@ class SequentialAdapter(_Adapter, ABC):
         """The derived prefill-only request."""
 
     @abstractmethod
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> Decision:
         """From the prefill reply: the decode body, or the client's answer."""
 
 
@@ -142,11 +135,21 @@ class ConcurrentAdapter(_Adapter, ABC):
         """Both legs' bodies, sent together."""
 
     @abstractmethod
-    def check_prefill(self, reply: PrefillReply) -> None:
+    def check_prefill(self, reply: WorkerReply) -> None:
         """Raise PdError unless the prefill reply, arriving after decode started, is a success."""
 
 
 Adapter = SequentialAdapter | ConcurrentAdapter
+
+
+@dataclass(frozen=True, slots=True)
+class Disabled:
+    """The kill switch (PD_EXTPROC_ADAPTER=none) as an adapter that serves nothing: every P/D request is
+    refused with 501 pd_adapter_unavailable before any leg; the passthrough route is untouched."""
+
+    name: str = "none"
+    discovery_headers: tuple[tuple[str, str], ...] = ()
+    server_info_keys: tuple[str, ...] = ()
 Options = Mapping[str, Any]
 
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import orjson
 
-from extproc import jsonspan
-from extproc.adapters.base import PrefillReply
+from extproc.core import jsonspan
 from extproc.errors import Code, PdError
+from extproc.upstream.transport import WorkerReply
 
 _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 
@@ -20,7 +20,7 @@ def upstream_status_error(status: int) -> PdError:
                    upstream_status=status)
 
 
-def parse_prefill_object(reply: PrefillReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
+def parse_prefill_object(reply: WorkerReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
     """The reply's JSON object and its top-level member spans. Never relays the reply body."""
     if reply.status != 200:
         raise upstream_status_error(reply.status)

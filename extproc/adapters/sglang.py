@@ -27,7 +27,6 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import (
     ConcurrentAdapter,
     ConcurrentPlan,
@@ -38,14 +37,15 @@ from extproc.adapters.base import (
     Flow,
     Options,
     PlanInput,
-    PrefillReply,
     QueueGauges,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.core import jsonspan
+from extproc.core.fields import ReservedField, handoff_error, is_port
+from extproc.core.openai_request import ClientRequest
 from extproc.errors import Problem
-from extproc.fields import ReservedField, handoff_error, is_port
-from extproc.openai_request import ClientRequest
 from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
+from extproc.upstream.transport import WorkerReply
 
 PROTOCOL_0_5_23 = "sglang-0.5.23-bootstrap"
 PROTOCOLS = (PROTOCOL_0_5_23,)
@@ -122,7 +122,7 @@ def decode_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> b
     return jsonspan.rebuild(request.raw, request.members, _without_client_bootstrap(), bootstrap)
 
 
-def check_prefill_reply(reply: PrefillReply) -> None:
+def check_prefill_reply(reply: WorkerReply) -> None:
     """A drained prefill reply is a success only if it is SGLang's non-aborted completion."""
     parsed, _ = parse_prefill_object(reply)
     choices = parsed.get("choices")
@@ -173,7 +173,7 @@ class SglangAdapter(ConcurrentAdapter):
         abort = DecodeAbort(ABORT_PATH, orjson.dumps({"rid": rid, "abort_all": False}), _bearer(self._abort_key))
         return ConcurrentPlan(prefill_body(request, bootstrap), DecodeWith(decode_body(request, bootstrap)), abort)
 
-    def check_prefill(self, reply: PrefillReply) -> None:
+    def check_prefill(self, reply: WorkerReply) -> None:
         check_prefill_reply(reply)
 
 
@@ -208,7 +208,7 @@ ENGINE = Engine(
     # observability/metrics_collector.py: the waiting queue and, on a decode engine, the requests still
     # waiting to allocate (and to bootstrap) before their KV can land.
     decode_queue=QueueGauges("/metrics", ("sglang:num_queue_reqs", "sglang:num_decode_prealloc_queue_reqs")),
-    emulator="extproc.emulator.sglang:SglangEmulator",
+    emulator="pd_extproc_lab.emulator.sglang:SglangEmulator",
     settings=(SettingSpec(BOOTSTRAP_PORT_SETTING, _bootstrap_port,
                           "sglang adapter: the prefill workers' bootstrap port (1-65535), or discover (read "
                           "disaggregation_bootstrap_port from each prefill worker's /server_info, cached)",

@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import (
     AnswerDirectly,
     Decision,
@@ -45,13 +44,12 @@ from extproc.adapters.base import (
     Flow,
     Options,
     PlanInput,
-    PrefillReply,
     QueueGauges,
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.errors import Problem
-from extproc.fields import (
+from extproc.core import jsonspan
+from extproc.core.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -63,8 +61,10 @@ from extproc.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.openai_request import ClientRequest, Endpoint
+from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, read_secret_file
+from extproc.upstream.transport import WorkerReply
 
 # Builds before TensorRT-LLM PR #16002 (no request authentication) and builds with it.
 PROTOCOL_RC23 = "trtllm-1.3.0rc23-context-first"
@@ -146,7 +146,7 @@ class ContextResult:
     finished: bool
 
 
-def read_context_reply(reply: PrefillReply) -> ContextResult:
+def read_context_reply(reply: WorkerReply) -> ContextResult:
     """Parse and check the context worker's answer (_verify_ctx_response plus field types)."""
     parsed, spans = parse_prefill_object(reply)
     choices = parsed.get("choices")
@@ -252,7 +252,7 @@ class TrtllmAdapter(SequentialAdapter):
     def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
         return context_body(request, plan.nonce)
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> Decision:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> Decision:
         context = read_context_reply(reply)
         if context.finished:
             return direct_answer(request, context)
@@ -290,7 +290,7 @@ ENGINE = Engine(
     # tensorrt_llm/metrics/collector.py: trtllm_num_requests_waiting, served on /prometheus/metrics when
     # the worker runs with return_perf_metrics.
     decode_queue=QueueGauges("/prometheus/metrics", ("trtllm_num_requests_waiting",)),
-    emulator="extproc.emulator.trtllm:TrtllmEmulator",
+    emulator="pd_extproc_lab.emulator.trtllm:TrtllmEmulator",
     settings=(SettingSpec(AUTH_KEY_SETTING, existing_file,
                           "trtllm adapter, signing pins: file holding the workers' internal_request_auth_key "
                           "(the key itself is never logged or shown)", default=""),),

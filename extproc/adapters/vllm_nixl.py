@@ -17,19 +17,18 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
 from extproc.adapters.base import (
     DecodeWith,
     Engine,
     Flow,
     Options,
     PlanInput,
-    PrefillReply,
     QueueGauges,
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.fields import (
+from extproc.core import jsonspan
+from extproc.core.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -40,7 +39,8 @@ from extproc.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.openai_request import ClientRequest, Endpoint
+from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.upstream.transport import WorkerReply
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
 PROTOCOL_0_33 = "vllm-0.33-nixl-pull"
@@ -127,7 +127,7 @@ def decode_body(request: ClientRequest, handoff_raw: bytes) -> bytes:
     return set_members(request.raw, request.members, {KEY: handoff_raw})
 
 
-def handoff_from_reply(reply: PrefillReply, protocol: str) -> bytes:
+def handoff_from_reply(reply: WorkerReply, protocol: str) -> bytes:
     """Validate the prefill reply and return the raw bytes of its kv_transfer_params value."""
     parsed, spans = parse_prefill_object(reply)
     params: Any = parsed.get(KEY)
@@ -150,7 +150,7 @@ class VllmNixlAdapter(SequentialAdapter):
     def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
         return prefill_body(request)
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> DecodeWith:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> DecodeWith:
         return DecodeWith(decode_body(request, handoff_from_reply(reply, self.protocol)))
 
 
@@ -162,6 +162,6 @@ ENGINE = Engine(
     name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
     # vllm/v1/metrics/loggers.py, PrometheusStatLogger: "Number of requests waiting to be processed."
     decode_queue=QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
-    emulator="extproc.emulator.vllm:VllmEmulator",
+    emulator="pd_extproc_lab.emulator.vllm:VllmEmulator",
     summary="vLLM 0.32/0.33, NixlConnector (pull): prefill, validate kv_transfer_params, then decode",
 )

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from extproc.process import free_port
+from pd_extproc_lab.process import free_port
 from tests.compose.commands import DOWN, PORT_VARIABLES, Compose, Http
 
 REPO = Path(__file__).resolve().parents[2]

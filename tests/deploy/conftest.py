@@ -12,13 +12,26 @@ from deploy import render_manifests as rm
 from deploy import validate
 from extproc.config import Settings
 
+OVERLAYS = validate.overlays()
+
 
 class Manifests:
-    """The k8s/ documents, looked up by kind and name."""
+    """What one kustomize overlay renders, looked up by kind and name."""
 
-    def __init__(self, docs: list[validate.Document]):
+    def __init__(self, docs: list[validate.Document], overlay: Path | None = None):
         self.docs = docs
+        self.overlay = overlay
         self._index = {(d.body["kind"], d.body["metadata"]["name"]): d.body for d in docs}
+
+    @property
+    def name(self) -> str:
+        return self.overlay.name if self.overlay is not None else ""
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [d.body for d in self.docs if d.body["kind"] == kind]
+
+    def has(self, kind: str, name: str) -> bool:
+        return (kind, name) in self._index
 
     def get(self, kind: str, name: str) -> dict[str, Any]:
         return self._index[(kind, name)]
@@ -32,9 +45,11 @@ class Manifests:
         return spec
 
 
-@pytest.fixture(scope="session")
-def manifests() -> Manifests:
-    return Manifests(validate.load_documents(validate.k8s_files()))
+@pytest.fixture(scope="session", params=OVERLAYS, ids=[overlay.name for overlay in OVERLAYS])
+def manifests(request: pytest.FixtureRequest) -> Manifests:
+    """Each overlay in turn (k8s/overlays/*): every check on the manifests holds for what each renders."""
+    overlay: Path = request.param
+    return Manifests(validate.render_overlay(overlay), overlay)
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,17 @@ import ipaddress
 import json
 import posixpath
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from deploy import render_manifests as rm
+from extproc._version import __version__
 from extproc.config import Settings
-from extproc.prefill_policy import PrefillPolicy
+from extproc.core.prefill_policy import PrefillPolicy
 from tests.deploy.conftest import Manifests
 
 pytestmark = pytest.mark.deploy
@@ -142,7 +145,13 @@ def test_pool_selects_both_roles_and_the_picker_service(manifests: Manifests) ->
 
 def test_route_reaches_the_pool_through_the_gateway(manifests: Manifests) -> None:
     route = manifests.get("HTTPRoute", "pd-route")["spec"]
-    assert [ref["name"] for ref in route["parentRefs"]] == [manifests.get("Gateway", "pd-gateway")["metadata"]["name"]]
+    assert [ref["name"] for ref in route["parentRefs"]] == ["pd-gateway"]
+    gateways = manifests.of_kind("Gateway")
+    if provider(manifests):
+        assert [g["metadata"]["name"] for g in gateways] == ["pd-gateway"]
+        assert gateways[0]["spec"]["gatewayClassName"] == GATEWAY_CLASSES[provider(manifests)]
+    else:
+        assert gateways == []  # overlay none: the Gateway is yours
     for rule in route["rules"]:
         assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
                                         "name": "pd-pool"}]
@@ -191,18 +200,52 @@ def _admits(rule: dict[str, Any], port: int) -> bool:
     return any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports if isinstance(p["port"], int))
 
 
+# The gateway's data-plane peers each provider's component adds (k8s/components/gateway-*; none: none).
+GATEWAY_PEERS: dict[str, list[dict[str, Any]]] = {
+    "gateway-envoy-gateway": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
+                                                                     "envoy-gateway-system"}},
+                               "podSelector": {"matchLabels": {"gateway.envoyproxy.io/owning-gateway-name":
+                                                               "pd-gateway"}}}],
+    "gateway-istio": [{"podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "pd-gateway"}}}],
+    "gateway-gke": [{"ipBlock": {"cidr": "10.129.0.0/23"}}, {"ipBlock": {"cidr": "35.191.0.0/16"}},
+                    {"ipBlock": {"cidr": "130.211.0.0/22"}}],
+    "": [],
+}
+# GKE: the load balancer's proxies call the picker; its health checkers do not.
+PICKER_PEERS = {"gateway-gke": GATEWAY_PEERS["gateway-gke"][:1]}
+GATEWAY_CLASSES = {"gateway-envoy-gateway": "eg", "gateway-istio": "istio",
+                   "gateway-gke": "gke-l7-regional-external-managed"}
+
+
+def provider(manifests: Manifests) -> str:
+    """The gateway component an overlay uses ("" for none), from its kustomization.yaml."""
+    assert manifests.overlay is not None
+    kustomization = yaml.safe_load((manifests.overlay / "kustomization.yaml").read_text())
+    components = [Path(c).name for c in kustomization.get("components", []) if Path(c).name.startswith("gateway-")]
+    assert len(components) <= 1, components
+    return components[0] if components else ""
+
+
 def test_only_the_gateway_and_the_picker_reach_envoy(manifests: Manifests, k8s_settings: Settings) -> None:
     decode = manifests.get("NetworkPolicy", "pd-decode")["spec"]
-    gateway_route = manifests.get("Gateway", "pd-gateway")["metadata"]["name"]
+    gateway_peers = GATEWAY_PEERS[provider(manifests)]
     for rule in decode["ingress"]:
+        assert rule.get("from"), "a rule without peers admits everyone"
         if not _admits(rule, k8s_settings.listen.port):
             continue
-        peers = rule["from"]
-        assert len(peers) == 2
-        assert peers[0]["podSelector"]["matchLabels"] == {"gateway.envoyproxy.io/owning-gateway-name": gateway_route}
-        assert peers[1]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "pd-epp"}
+        assert rule["from"] == [*gateway_peers, {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pd-epp"}}}]
     assert sum(_admits(rule, k8s_settings.metrics_listen.port) for rule in decode["ingress"]) == 1
     assert sum(_admits(rule, stats_port(k8s_settings)) for rule in decode["ingress"]) == 1
+
+
+def test_only_the_gateway_reaches_the_picker(manifests: Manifests) -> None:
+    """The picker's ext_proc port: the gateway only (none: nobody until you add yours); its metrics port
+    only to Prometheus, with the monitoring component."""
+    rules = manifests.get("NetworkPolicy", "pd-epp")["spec"]["ingress"]
+    gateway_peers = PICKER_PEERS.get(provider(manifests), GATEWAY_PEERS[provider(manifests)])
+    assert rules == ([{"from": gateway_peers, "ports": [{"protocol": "TCP", "port": 9002}]}] if gateway_peers else [])
+    picker_ports = {p["containerPort"] for p in manifests.container("pd-epp", "epp")["ports"]}
+    assert 9002 in picker_ports
 
 
 def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifests: Manifests,
@@ -219,8 +262,10 @@ def test_shutdown_order_lets_pd_extproc_drain_before_envoy_and_vllm_stop(manifes
 def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compose: dict[str, Any],
                                                      compose_gpu: dict[str, Any], repo: Path) -> None:
     services = compose["services"]
-    ours = manifests.container("pd-decode", "pd-extproc")["image"]
-    assert {name: service["image"] for name, service in services.items()} == dict.fromkeys(services, ours)
+    # The image is tagged with the release (extproc/_version.py); an overlay may name a registry's copy.
+    release = f"pd-extproc:{__version__}"
+    assert {name: service["image"] for name, service in services.items()} == dict.fromkeys(services, release)
+    assert manifests.container("pd-decode", "pd-extproc")["image"].rsplit("/", 1)[-1] == release
     # Compose's Envoy is the one in our image; Kubernetes runs Envoy's own image of the same release.
     assert manifests.container("pd-decode", "envoy")["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
     for deployment in ("pd-decode", "pd-prefill"):
@@ -343,3 +388,21 @@ def test_compose_gives_envoy_and_pd_extproc_time_to_drain(compose: dict[str, Any
         for name in ("envoy", "pd-extproc"):
             grace = compose["services"][name]["stop_grace_period"]
             assert grace.endswith("s") and int(grace[:-1]) > settings.drain_timeout
+
+
+# ---------------------------------------------------------------------------------------------- Release
+
+def test_the_makefile_tags_the_image_with_the_release(repo: Path) -> None:
+    result = subprocess.run(["make", "-s", "-C", str(repo), "version"], capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert result.stdout.strip() == __version__
+    assert re.search(r"^IMAGE \?= pd-extproc:\$\(VERSION\)$", (repo / "Makefile").read_text(), re.M)
+
+
+def test_every_image_tag_the_repository_names_is_the_release(repo: Path) -> None:
+    """Compose, the kustomize package, the Dockerfile's usage and README's commands name one tag."""
+    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "envoy").glob("*.yaml")),
+             *sorted((repo / "k8s").rglob("*.yaml"))]
+    tags = {(path.relative_to(repo).as_posix(), tag) for path in files
+            for tag in re.findall(r"pd-extproc:(\d+\.\d+\.\d+\S*)", path.read_text())}
+    assert tags and {tag for _, tag in tags} == {__version__}, sorted(tags)

@@ -10,11 +10,11 @@ import yaml
 from deploy import render_manifests as rm
 from deploy.envfile import EnvFileError, parse_env_text, read_env_file
 from extproc import cli
-from extproc.config import SPECS
+from extproc.config import specs
 
 pytestmark = pytest.mark.deploy
 
-# Settings the deployment files rely on (names as in extproc.config.SPECS).
+# Settings the deployment files rely on (names as in extproc.config.specs()).
 RELIED_ON = ("adapter", "grpc_listen", "listen", "decode", "envoy_admin", "metrics_listen", "prefill_allow",
              "trusted_sources", "max_request_bytes", "max_prefill_response_bytes", "prefill_connect_timeout",
              "prefill_read_timeout", "prefill_deadline", "client_body_timeout", "decode_idle_timeout",
@@ -56,7 +56,7 @@ def test_settings_configmap_is_the_settings_file() -> None:
 
 @pytest.mark.parametrize("target", rm.TARGETS, ids=lambda t: t.name)
 def test_settings_files_use_only_known_settings(target: rm.Target) -> None:
-    known = {spec.env for spec in SPECS}
+    known = {spec.env for spec in specs()}
     for path in target.settings_files:
         assert set(read_env_file(path)) <= known
     rm.target_settings(*target.settings_files)  # and pd-extproc accepts every value
@@ -72,7 +72,7 @@ def test_each_compose_engine_file_names_its_adapter_and_nothing_the_shared_file_
 
 
 def test_the_settings_the_manifests_rely_on_exist() -> None:
-    assert set(RELIED_ON) <= {spec.name for spec in SPECS}
+    assert set(RELIED_ON) <= {spec.name for spec in specs()}
 
 
 def test_check_mode_names_the_stale_file_and_the_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -19,7 +19,7 @@ Mutation = Callable[[dict[str, Any]], None]
 
 
 def _doc(kind: str, name: str) -> dict[str, Any]:
-    for doc in validate.load_documents(validate.k8s_files()):
+    for doc in validate.k8s_documents():
         if doc.body["kind"] == kind and doc.body["metadata"]["name"] == name:
             return copy.deepcopy(doc.body)
     raise KeyError((kind, name))
@@ -198,6 +198,63 @@ def test_inference_pool_contract_rejects_a_planted_error(plant: str) -> None:
     assert validate.inference_pool_problems(body) == []
     POOL_PLANTS[plant](body)
     assert validate.inference_pool_problems(body) != []
+
+
+# --------------------------------------------------------------------- ClientTrafficPolicy (contract)
+
+CTP_PLANTS: dict[str, Mutation] = {
+    "misspelled spec field": lambda d: d["spec"].__setitem__("header", {}),
+    "buffer limit with a unit Envoy Gateway refuses": lambda d: d["spec"]["connection"].__setitem__("bufferLimit",
+                                                                                                    "32MB"),
+    "targets an HTTPRoute": lambda d: d["spec"]["targetRefs"][0].__setitem__("kind", "HTTPRoute"),
+    "no target": lambda d: d["spec"].pop("targetRefs"),
+    "remove is not a list": lambda d: d["spec"]["headers"]["earlyRequestHeaders"].__setitem__("remove", "x-a"),
+    "misspelled header filter": lambda d: d["spec"]["headers"]["earlyRequestHeaders"].__setitem__("delete", ["x"]),
+    "old API version": lambda d: d.__setitem__("apiVersion", "gateway.envoyproxy.io/v1beta1"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(CTP_PLANTS))
+def test_client_traffic_policy_contract_rejects_a_planted_error(plant: str) -> None:
+    body = _doc("ClientTrafficPolicy", "pd-client-traffic")
+    assert validate.client_traffic_policy_problems(body) == []
+    CTP_PLANTS[plant](body)
+    assert validate.client_traffic_policy_problems(body) != []
+
+
+# -------------------------------------------------- Prometheus Operator and GKE kinds (node validators)
+
+NODE_PLANTS: dict[str, tuple[str, str, Mutation]] = {
+    "ServiceMonitor port as a number": ("ServiceMonitor", "pd-decode",
+                                        lambda d: d["spec"]["endpoints"][0].__setitem__("port", 9190)),
+    "PodMonitor without endpoints list": ("PodMonitor", "pd-prefill",
+                                          lambda d: d["spec"].__setitem__("podMetricsEndpoints", {"port": "http"})),
+    "HealthCheckPolicy of an unknown type": ("HealthCheckPolicy", "pd-pool",
+                                             lambda d: d["spec"]["default"]["config"].__setitem__("type", "HTTPX")),
+    "GCPBackendPolicy timeout as text": ("GCPBackendPolicy", "pd-pool",
+                                         lambda d: d["spec"]["default"].__setitem__("timeoutSec", "600s")),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(NODE_PLANTS))
+def test_node_validators_reject_a_planted_error(plant: str) -> None:
+    kind, name, mutate = NODE_PLANTS[plant]
+    body = _doc(kind, name)
+    assert validate.gateway_api_problems([body]) == [[]]
+    mutate(body)
+    assert validate.gateway_api_problems([body]) != [[]]
+
+
+def test_kustomize_refuses_a_broken_overlay(tmp_path: Path) -> None:
+    """A patch of a field that is not there stops the render (and so the suite), never a silent skip."""
+    overlay = tmp_path / "broken"
+    overlay.mkdir()
+    (overlay / "settings.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\ndata: {a: b}\n")
+    (overlay / "kustomization.yaml").write_text(
+        "resources: [settings.yaml]\npatches:\n  - target: {kind: ConfigMap, name: x}\n"
+        "    patch: '[{op: remove, path: /data/nope}]'\n")
+    with pytest.raises(validate.RenderError, match="broken"):
+        validate.render_overlay(overlay)
 
 
 def test_an_object_of_an_unknown_group_is_a_problem() -> None:

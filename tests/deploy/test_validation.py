@@ -15,7 +15,7 @@ from deploy.schemas.extract_compose_schema import embedded_schema
 pytestmark = pytest.mark.deploy
 
 ENVOY_CONFIGS = validate.envoy_configs()
-K8S_DOCS = validate.load_documents(validate.k8s_files())
+K8S_DOCS = validate.k8s_documents()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,10 @@ def test_every_kind_of_kubernetes_object_is_present() -> None:
     kinds = {(validate.api_group(d.body), d.body["kind"]) for d in K8S_DOCS}
     assert {("apps", "Deployment"), ("", "Service"), ("", "ConfigMap"), ("policy", "PodDisruptionBudget"),
             ("networking.k8s.io", "NetworkPolicy"), ("gateway.networking.k8s.io", "Gateway"),
-            ("gateway.networking.k8s.io", "HTTPRoute"), ("inference.networking.k8s.io", "InferencePool")} <= kinds
+            ("gateway.networking.k8s.io", "HTTPRoute"), ("inference.networking.k8s.io", "InferencePool"),
+            ("gateway.envoyproxy.io", "ClientTrafficPolicy"), ("monitoring.coreos.com", "ServiceMonitor"),
+            ("monitoring.coreos.com", "PodMonitor"), ("networking.gke.io", "HealthCheckPolicy"),
+            ("networking.gke.io", "GCPBackendPolicy")} <= kinds
 
 
 def test_dockerfile_passes_the_lint() -> None:

@@ -166,8 +166,9 @@ def test_a_taken_metrics_port_is_one_clear_line(command: str) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
+        envoy_listen = ["--listen", "127.0.0.1:0"] if command == "up" else []  # serve has no Envoy flags
         process = extproc(command, "--metrics-listen", f"127.0.0.1:{port}", "--grpc-listen", "127.0.0.1:0",
-                          "--listen", "127.0.0.1:0", "--decode", "127.0.0.1:9")
+                          *envoy_listen, "--decode", "127.0.0.1:9")
         _, err = process.communicate(timeout=60)
     assert process.returncode == 1
     assert f"127.0.0.1:{port} (metrics_listen)" in err and "Traceback" not in err
@@ -200,3 +201,32 @@ def test_envoy_config_prints_the_rendered_bootstrap() -> None:
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 0
     assert "message_timeout: 35s" in out and "address: 10.1.2.3" in out
+
+
+def test_up_deletes_its_folder_after_a_run(tmp_path: Path) -> None:
+    """`up` used to leave its pd-extproc-up-* folder (logs, socket, demo key) behind on every run."""
+    process = extproc("up", "--demo", "--listen", "127.0.0.1:0", env={"TMPDIR": str(tmp_path)})
+    assert process.stdout is not None
+    logs = Path(ready.parse(process.stdout.readline())["logs"])
+    assert logs.parent == tmp_path and logs.name.startswith("pd-extproc-up-") and (logs / "envoy.log").exists()
+    process.send_signal(signal.SIGINT)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    assert list(tmp_path.iterdir()) == [], out
+
+
+def test_up_deletes_its_folder_after_a_failed_start(tmp_path: Path) -> None:
+    process = extproc("up", "--demo", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy",
+                      env={"TMPDIR": str(tmp_path)})
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1 and "not found" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_up_keeps_its_logs_when_asked_and_says_where(tmp_path: Path) -> None:
+    process = extproc("up", "--demo", "--keep-logs", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy",
+                      env={"TMPDIR": str(tmp_path)})
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 1
+    [kept] = tmp_path.iterdir()
+    assert kept.name.startswith("pd-extproc-up-") and f"logs kept in {kept}" in out

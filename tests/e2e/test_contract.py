@@ -10,6 +10,7 @@ test_trtllm_pd.py.
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from extproc.adapters import build_adapter, engines
+from extproc.adapters.base import Demo, Disabled, Engine
 from tests.harness import Stack, engine_workers, running_stack
 from tests.helpers import (
     CHAT,
@@ -46,29 +49,33 @@ pytestmark = pytest.mark.dataplane
 class EngineCase:
     adapter: str
     engine: str
-    reserved: tuple[str, Any]  # a field the route owns, with a client value it refuses
     worker_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
+    demo: Demo = Demo()
 
 
-CASES = [
-    EngineCase("vllm_nixl", "vllm", ("kv_transfer_params", {"do_remote_prefill": True})),
-    EngineCase("sglang", "sglang", ("bootstrap_room", 7), ("--kv-timeout", "60s"),
-               (("PD_EXTPROC_SGLANG_BOOTSTRAP_PORT", "discover"),)),
-    EngineCase("trtllm", "trtllm", ("disaggregated_params", {"request_type": "generation_only"})),
-]
+# Emulator options the suite needs beyond an engine's demo: SGLang's emulated KV wait must outlast a
+# loaded CI machine's slowest prefill in the failure cases.
+EXTRA_WORKER_ARGS = {"sglang": ("--kv-timeout", "60s")}
+
+
+def _case(engine: Engine) -> EngineCase:
+    return EngineCase(engine.name, engine.engine, EXTRA_WORKER_ARGS.get(engine.engine, ()), engine.demo)
+
+
+# Every registered engine, with the settings its demo declares (Engine.demo), as `up --demo` runs it.
+CASES = [_case(engine) for engine in engines().values()]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[case.adapter for case in CASES])
 def engine_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     case: EngineCase = request.param
-    env = {"PD_EXTPROC_ADAPTER": case.adapter, **dict(case.env)}
+    env = {"PD_EXTPROC_ADAPTER": case.adapter, **case.demo.env}
     args = case.worker_args
-    if case.adapter == "trtllm":  # the default pin signs: one key for our server and both workers
-        key = Path(tmp_path_factory.mktemp("key")) / "internal.key"
-        key.write_text("contract-suite-key\n")
-        env["PD_EXTPROC_TRTLLM_AUTH_KEY_FILE"] = str(key)
-        args = (*args, "--auth-key-file", str(key))
+    if case.demo.key_setting:  # one shared key for our server and both workers, as `up --demo` makes it
+        key = Path(tmp_path_factory.mktemp("key")) / "demo-shared.key"
+        key.write_text(secrets.token_hex(32) + "\n")
+        env[case.demo.key_setting] = str(key)
+        args = (*args, case.demo.key_flag, str(key))
     with running_stack(env, engine_workers(case.engine, args)) as stack:
         yield stack
 
@@ -78,8 +85,12 @@ def stack(engine_stack: Stack) -> Stack:
     return engine_stack.reset()
 
 
-def case_of(stack: Stack) -> EngineCase:
-    return next(case for case in CASES if case.adapter == stack.settings.adapter)
+def reserved_field(stack: Stack) -> str:
+    """A field the running adapter's route owns (its first reserved field)."""
+    settings = stack.settings
+    adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
+    assert not isinstance(adapter, Disabled)
+    return adapter.reserved_fields[0].name
 
 
 # --- the paths -------------------------------------------------------------------------------------
@@ -129,8 +140,8 @@ def test_routing_headers_each_leg_sees(stack: Stack) -> None:
 # --- refused before any leg ------------------------------------------------------------------------
 
 
-def refusals(case: EngineCase) -> list[tuple[str, dict[str, str], bytes, int, str]]:
-    field, value = case.reserved
+def refusals(field: str) -> list[tuple[str, dict[str, str], bytes, int, str]]:
+    value = {"forged": True}  # a value of the client's own: no tolerated value is an object with members
     return [
         ("n", {}, json.dumps(chat_body(n=2)).encode(), 400, "unsupported_pd_variant"),
         ("not-json", {}, b'{"model": ', 400, "invalid_request_body"),
@@ -145,10 +156,10 @@ def refusals(case: EngineCase) -> list[tuple[str, dict[str, str], bytes, int, st
 
 @pytest.mark.parametrize("kind", ["n", "not-json", "bad-field", "reserved", "bad-header", "link-local"])
 def test_refusals_have_their_documented_code_and_no_leg_runs(stack: Stack, kind: str) -> None:
-    name, headers, body, status, code = next(r for r in refusals(case_of(stack)) if r[0] == kind)
+    name, headers, body, status, code = next(r for r in refusals(reserved_field(stack)) if r[0] == kind)
     error = assert_error(post(stack, CHAT, body, **headers), status, code)
     if name == "reserved":
-        assert error["param"] == case_of(stack).reserved[0]
+        assert error["param"] == reserved_field(stack)
     assert_no_leg_ran(stack)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.adapters import BY_ENGINE
+from extproc.adapters import by_engine
 from tests.harness import Stack, engine_workers, running_stack
 from tests.helpers import CHAT, assert_error, assert_no_leg_ran, chat_body, eventually, post, scrape
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dataplane
 @pytest.fixture(scope="module", params=["vllm", "sglang", "trtllm"])
 def queue_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     engine: str = request.param
-    env = {"PD_EXTPROC_ADAPTER": BY_ENGINE[engine].name, "PD_EXTPROC_DECODE_QUEUE_LIMIT": "4",
+    env = {"PD_EXTPROC_ADAPTER": by_engine()[engine].name, "PD_EXTPROC_DECODE_QUEUE_LIMIT": "4",
            "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "100ms"}
     args: tuple[str, ...] = ()
     if engine == "sglang":
@@ -35,7 +35,7 @@ def queue_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 def set_waiting(stack: Stack, waiting: float) -> None:
-    gauges = BY_ENGINE[stack.decode.info()["engine"]].decode_queue
+    gauges = by_engine()[stack.decode.info()["engine"]].decode_queue
     assert gauges is not None
     # The first gauge carries the value; the rest (SGLang's prealloc queue) stay 0: they are summed.
     assert stack.decode.call("POST", "/_emulator/gauges", {gauges.names[0]: waiting})[0] == 200

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from extproc.envoy_config import render_yaml
-from extproc.process import free_port
+from extproc.envoy.bootstrap import render_yaml
 from extproc.units import parse_address
+from pd_extproc_lab.process import free_port
 from tests.harness import Stack, running_stack
 from tests.helpers import CHAT, chat_body
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.emulator import text
+from pd_extproc_lab.emulator import text
 from tests.harness import Stack, WorkerSpec, running_stack
 from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, closed_port, eventually, only, post
 

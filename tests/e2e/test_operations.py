@@ -21,11 +21,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc import stack as stack_module
+from extproc.app import EXT_PROC_SERVICE
 from extproc.config import load_settings
-from extproc.envoy_config import render_yaml
-from extproc.process import free_port
-from extproc.server import EXT_PROC_SERVICE
+from extproc.envoy.bootstrap import render_yaml
+from pd_extproc_lab import stack as stack_module
+from pd_extproc_lab.process import free_port
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
 from tests.helpers import (
     CHAT,

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.emulator import text
+from pd_extproc_lab.emulator import text
 from tests.harness import Stack, Worker, WorkerSpec, engine_workers, running_stack
 from tests.helpers import (
     CHAT,

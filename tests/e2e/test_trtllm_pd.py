@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from extproc.adapters.trtllm import AUTH_HEADER, PROTOCOL_RC23
-from extproc.emulator import text
+from pd_extproc_lab.emulator import text
 from tests.harness import Stack, WorkerSpec, engine_workers, running_stack
 from tests.helpers import (
     CHAT,

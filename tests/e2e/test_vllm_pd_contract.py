@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from extproc.emulator import text
+from pd_extproc_lab.emulator import text
 from tests.harness import Stack, WorkerSpec, running_stack
 from tests.helpers import (
     CHAT,

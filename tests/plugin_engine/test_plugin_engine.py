@@ -69,3 +69,21 @@ def test_without_the_plugin_the_adapter_is_unknown() -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode == 2 and "PD_EXTPROC_ADAPTER" not in done.stdout
     assert "--adapter: expected one of" in done.stderr
+
+
+def test_a_broken_plugin_is_one_clear_error(tmp_path: Path) -> None:
+    """An installed entry point whose module cannot be imported: the command says which plugin and why,
+    in one line and with the configuration exit code, instead of a traceback before argparse runs."""
+    dist = tmp_path / "broken_engine-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[pd_extproc.engines]\nbroken = broken_engine_missing:ENGINE\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for command in (["serve"], ["envoy-config"], ["--help"]):
+        done = subprocess.run([sys.executable, "-m", "extproc", *command], capture_output=True, text=True, env=env,
+                              timeout=60, check=False)
+        assert done.returncode == 2, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines() == [
+            "pd-extproc: engine plugin broken_engine_missing:ENGINE cannot be loaded: "
+            "ModuleNotFoundError(\"No module named 'broken_engine_missing'\")"], done.stderr

@@ -1,6 +1,7 @@
 """A small engine that is not part of pd-extproc: the whole of what a new engine needs, in one
-module (its Engine, adapter and emulator), installed as a ``pd_extproc.engines`` entry point by
-tests/plugin_engine/test_plugin_engine.py. Nothing in extproc/ names it.
+module (its Engine, adapter and emulator), written against the two plugin APIs only (``extproc.plugin``
+for the adapter, ``pd_extproc_lab.plugin`` for the emulator), installed as a ``pd_extproc.engines``
+entry point by tests/plugin_engine/test_plugin_engine.py. Nothing in extproc/ names it.
 
 The toy protocol: the prefill worker answers ``{"toy_handoff": <sha256 of the prompt>}``; the decode
 worker generates only when the request carries that handoff, plus the engine's own setting
@@ -16,18 +17,26 @@ from typing import Any, ClassVar
 
 import orjson
 
-from extproc import jsonspan
-from extproc.adapters.base import DecodeWith, Engine, Flow, Options, PlanInput, PrefillReply, SequentialAdapter
-from extproc.adapters.prefill_json import parse_prefill_object
-from extproc.emulator import text
-from extproc.emulator.behaviour import Behaviour
-from extproc.emulator.control import Control, Received
-from extproc.emulator.http import EmulatorHttpServer, Reply
-from extproc.errors import Problem
-from extproc.fields import ReservedField, handoff_error, non_empty_str, set_members
-from extproc.httpserver import Request, Response
-from extproc.openai_request import ClientRequest
-from extproc.settings_spec import SettingSpec, text_value
+from extproc.plugin import (
+    ClientRequest,
+    DecodeWith,
+    Engine,
+    Flow,
+    Options,
+    PlanInput,
+    Problem,
+    ReservedField,
+    SequentialAdapter,
+    SettingSpec,
+    WorkerReply,
+    handoff_error,
+    jsonspan,
+    non_empty_str,
+    parse_prefill_object,
+    set_members,
+    text_value,
+)
+from pd_extproc_lab.plugin import Behaviour, Control, EmulatorHttpServer, Received, Reply, Request, Response, text
 
 KEY = "toy_handoff"
 
@@ -49,7 +58,7 @@ class ToyAdapter(SequentialAdapter):
     def prefill_body(self, request: ClientRequest, plan: PlanInput) -> bytes:
         return set_members(request.raw, request.members, {"max_tokens": b"1", "stream": b"false"})
 
-    def decide(self, request: ClientRequest, reply: PrefillReply) -> DecodeWith:
+    def decide(self, request: ClientRequest, reply: WorkerReply) -> DecodeWith:
         parsed, spans = parse_prefill_object(reply)
         if not non_empty_str(parsed.get(KEY)):
             raise handoff_error(KEY, Problem.MISSING)

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import process
+from pd_extproc_lab import process
 from tests.realvllm.vllm_site.sitecustomize import APPLIED_MARKER, PROGRESS_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[2]

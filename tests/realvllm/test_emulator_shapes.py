@@ -1,4 +1,4 @@
-"""The emulated vLLM worker (extproc/emulator/vllm.py) against the real one, request for request.
+"""The emulated vLLM worker (pd_extproc_lab/emulator/vllm.py) against the real one, request for request.
 
 Every end-to-end contract test runs against the emulator, so it must not drift from the engine it
 stands for: the same request to a real and to an emulated worker must give responses with the same
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.emulator.worker import WorkerSpec, start_workers
+from pd_extproc_lab.emulator.worker import WorkerSpec, start_workers
 from tests.realvllm.engine import free_ports
 from tests.realvllm.stage import RealPd, Reply, send
 from tests.realvllm.wire import (

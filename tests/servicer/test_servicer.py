@@ -17,9 +17,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from extproc.app import EXT_PROC_SERVICE, ExtProcServer
 from extproc.config import load_settings
-from extproc.emulator.vllm import VllmBehaviour, VllmEmulator
-from extproc.server import EXT_PROC_SERVICE, ExtProcServer
+from pd_extproc_lab.emulator.vllm import VllmBehaviour, VllmEmulator
 
 CHAT = "/v1/chat/completions"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.adapters.prefill_json import upstream_status_error
-from extproc.config import ENV_PREFIX, SPECS, ConfigError, Settings, load_settings
+from extproc.config import ENV_PREFIX, ConfigError, Settings, load_settings, specs
 from extproc.errors import Code, PdError
 from extproc.units import format_duration, parse_address, parse_duration, parse_size
 
@@ -23,7 +23,7 @@ def test_flags_override_environment() -> None:
 
 
 def test_every_setting_has_an_env_var_and_a_flag() -> None:
-    for spec in SPECS:
+    for spec in specs():
         assert spec.env == ENV_PREFIX + spec.name.upper()
         assert spec.flag == "--" + spec.name.replace("_", "-")
         Settings().value(spec.name)  # every setting has a value (its default)
@@ -69,7 +69,7 @@ def test_values_round_trip_through_their_display_form() -> None:
     settings = load_settings({"PD_EXTPROC_PREFILL_ALLOW": "10.0.0.0/8:80,[fd00::]/8:*",
                               "PD_EXTPROC_TRUSTED_SOURCES": "10.1.0.0/16", "PD_EXTPROC_GRPC_LISTEN": "unix:/tmp/s",
                               "PD_EXTPROC_PREFILL_READ_TIMEOUT": "250ms"}, {})
-    shown = {spec.env: spec.show(settings.value(spec.name)) for spec in SPECS}
+    shown = {spec.env: spec.show(settings.value(spec.name)) for spec in specs()}
     assert load_settings(shown, {}) == settings
 
 

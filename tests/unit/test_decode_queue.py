@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
-from extproc.adapters.base import PrefillReply, QueueGauges
-from extproc.decode_queue import DecodeQueueWatch, waiting_from
+from extproc.adapters.base import QueueGauges
 from extproc.errors import Code, PdError
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import ResolvedTarget
+from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
+from extproc.upstream.transport import ResolvedTarget, WorkerAddress, WorkerReply
 from tests.unit.test_processor import FakeTransport
 
-DECODE = ResolvedTarget(PrefillTarget("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
+DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
                         ipaddress.ip_address("127.0.0.1"), tls=False)
 PAGE = """# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
@@ -37,9 +36,9 @@ def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> No
         watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
                                  limit=4, interval=1.0, on_failure=failures.append, clock=lambda: now[0])
         assert watch.waiting is None and not watch.over_limit(), "no reading yet"
-        for failure in (PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE), PrefillReply(500, "text/plain", b""),
-                        PrefillReply(200, "text/plain", b"other_metric 9\n")):
-            transport.answers.append(PrefillReply(200, "text/plain", PAGE.encode()))
+        for failure in (PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE), WorkerReply(500, "text/plain", b""),
+                        WorkerReply(200, "text/plain", b"other_metric 9\n")):
+            transport.answers.append(WorkerReply(200, "text/plain", PAGE.encode()))
             await watch.read_once()
             transport.answers.append(failure)
             await watch.read_once()
@@ -59,7 +58,7 @@ def test_a_scrape_slower_than_the_interval_gives_no_reading() -> None:
         watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
                                  limit=4, interval=0.01, on_failure=failures.append)
 
-        async def never() -> PrefillReply:
+        async def never() -> WorkerReply:
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 
-from extproc.config import SPECS
-from extproc.envoy_config import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT
-from extproc.metrics import NOT_ERROR_OUTCOMES, Metrics
+from extproc.config import specs
+from extproc.envoy.bootstrap import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT
+from extproc.observability.metrics import NOT_ERROR_OUTCOMES, Metrics
 from tests.harness import REPO
 
 README = (REPO / "README.md").read_text()
@@ -16,7 +16,7 @@ README = (REPO / "README.md").read_text()
 def test_every_setting_is_in_the_readme_table() -> None:
     table = README.split("<!-- settings-table -->", 1)[1].split("<!-- /settings-table -->", 1)[0]
     listed = set(re.findall(r"`(PD_EXTPROC_[A-Z_]+)`", table))
-    assert listed == {spec.env for spec in SPECS}
+    assert listed == {spec.env for spec in specs()}
 
 
 def test_every_metric_is_documented_and_every_dashboard_query_uses_real_metrics() -> None:

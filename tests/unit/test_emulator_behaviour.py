@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from extproc.emulator.behaviour import BehaviourError
-from extproc.emulator.control import Control
-from extproc.emulator.sglang import SglangBehaviour
-from extproc.emulator.trtllm import TrtllmBehaviour
-from extproc.emulator.vllm import KEEP, VllmBehaviour
-from extproc.httpserver import Request
+from extproc.observability.httpserver import Request
+from pd_extproc_lab.emulator.behaviour import BehaviourError
+from pd_extproc_lab.emulator.control import Control
+from pd_extproc_lab.emulator.sglang import SglangBehaviour
+from pd_extproc_lab.emulator.trtllm import TrtllmBehaviour
+from pd_extproc_lab.emulator.vllm import KEEP, VllmBehaviour
 
 
 @pytest.mark.parametrize("kind,raw", [

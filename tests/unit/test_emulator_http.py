@@ -1,4 +1,4 @@
-"""extproc/emulator/http.py (the emulators' HTTP server) when the client is gone before a write.
+"""pd_extproc_lab/emulator/http.py (the emulators' HTTP server) when the client is gone before a write.
 
 Under uvloop (which `pd-extproc serve` and `emulate` run on) a write to a closed transport raises
 RuntimeError, where asyncio's own loop drops the bytes. The writer below behaves like uvloop's, so
@@ -14,9 +14,9 @@ from typing import Any, cast
 
 import h11
 
-from extproc.emulator.http import EmulatorHttpServer as HttpServer
-from extproc.emulator.http import Reply, StreamResponse
-from extproc.httpserver import Request, Response
+from extproc.observability.httpserver import Request, Response
+from pd_extproc_lab.emulator.http import EmulatorHttpServer as HttpServer
+from pd_extproc_lab.emulator.http import Reply, StreamResponse
 
 
 class ClosableWriter:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from extproc.emulator.control import Received
-from extproc.emulator.sglang import SglangEmulator
-from extproc.emulator.vllm import VllmBehaviour, VllmEmulator
-from extproc.httpserver import Request
+from extproc.observability.httpserver import Request
+from pd_extproc_lab.emulator.control import Received
+from pd_extproc_lab.emulator.sglang import SglangEmulator
+from pd_extproc_lab.emulator.vllm import VllmBehaviour, VllmEmulator
 
 
 def test_vllm_metrics_free_an_expired_lease_without_another_request() -> None:

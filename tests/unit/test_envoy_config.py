@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from extproc.config import load_settings
-from extproc.envoy_config import _LOCAL_REPLY_RULES, render, render_yaml
+from extproc.envoy.bootstrap import _LOCAL_REPLY_RULES, render, render_yaml
 from extproc.errors import SPEC, Code
 from extproc.units import parse_duration
 from tests.harness import envoy_bin

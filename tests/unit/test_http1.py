@@ -1,4 +1,4 @@
-"""extproc/http1.py, the prefill leg's HTTP/1.1 connection, fed bytes directly (no sockets)."""
+"""extproc/upstream/http1.py, the prefill leg's HTTP/1.1 connection, fed bytes directly (no sockets)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from extproc import http1
+from extproc.upstream import http1
 
 CAP = 1024
 

@@ -1,4 +1,4 @@
-"""extproc/upstream.py's connection pool over real loopback sockets: what is reused, what is closed.
+"""extproc/upstream/client.py's connection pool over real loopback sockets: what is reused, what is closed.
 
 Each worker is a small asyncio server that answers every request on a connection with one canned
 response and records, per connection, how many requests it served and whether we closed it. The
@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
-from extproc import upstream
+from extproc.core.prefill_policy import PrefillPolicy
 from extproc.errors import Code, PdError
-from extproc.prefill_policy import PrefillPolicy
-from extproc.prefill_target import PrefillTarget
-from extproc.transport import ResolvedTarget
+from extproc.upstream import client as upstream
+from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-LIMITS = upstream.PrefillLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,
+LIMITS = upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,
                                 max_connections=4)
 
 
@@ -42,7 +41,7 @@ class Worker:
     @property
     def target(self) -> ResolvedTarget:
         ip = ipaddress.ip_address("127.0.0.1")
-        return ResolvedTarget(PrefillTarget(host="127.0.0.1", port=self.port, ip=ip), ip)
+        return ResolvedTarget(WorkerAddress(host="127.0.0.1", port=self.port, ip=ip), ip)
 
 
 @asynccontextmanager
@@ -98,8 +97,8 @@ def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
-def client() -> upstream.PrefillClient:
-    return upstream.PrefillClient(LIMITS, PrefillPolicy((), allow_loopback=True))
+def client() -> upstream.WorkerClient:
+    return upstream.WorkerClient(LIMITS, PrefillPolicy((), allow_loopback=True))
 
 
 def test_a_fresh_idle_connection_is_reused_and_a_stale_one_closed(clock: Clock) -> None:
@@ -150,8 +149,8 @@ def test_a_cancelled_exchange_closes_its_connection_and_frees_its_slot() -> None
     async def test() -> None:
         hold = asyncio.Event()
         async with worker(hold=hold) as prefill:
-            pool = upstream.PrefillClient(
-                upstream.PrefillLimits(connect_timeout=5, read_timeout=5, deadline=10,
+            pool = upstream.WorkerClient(
+                upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10,
                                        max_response_bytes=1 << 20, max_connections=1),
                 PrefillPolicy((), allow_loopback=True))
             waiting = asyncio.create_task(pool.post(prefill.target, "/v1/completions", [], b"{}"))

@@ -15,28 +15,26 @@ from typing import Any
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc import envoy_messages as msg
-from extproc import http1
-from extproc.adapters.base import Adapter, PrefillReply
+from extproc.adapters.base import Adapter
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.admission import Admission
-from extproc.background import BackgroundPrefills
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefills
+from extproc.core.processor import PdProcessor, Pending
+from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
-from extproc.metrics import Metrics, RequestRecord
-from extproc.prefill_target import PrefillTarget
-from extproc.processor import PdProcessor, Pending
-from extproc.transport import Bounds, ResolvedTarget
-from extproc.upstream import Phase, classify
+from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.upstream.client import Phase, classify, http1
+from extproc.upstream.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 
 PREFILL = "10.0.0.7:8000"
-DECODE = ResolvedTarget(PrefillTarget("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
+DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
                         ipaddress.ip_address("127.0.0.1"), tls=False)
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
            "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
-Answer = PrefillReply | PdError | Callable[[], Awaitable[PrefillReply]]
+Answer = WorkerReply | PdError | Callable[[], Awaitable[WorkerReply]]
 
 
 @dataclass
@@ -58,26 +56,26 @@ class FakeTransport:
     calls: list[Call] = field(default_factory=list)
     resolve_error: PdError | None = None  # raised by resolve (a name that did not resolve)
 
-    async def resolve(self, target: PrefillTarget) -> ResolvedTarget:
+    async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
         if self.resolve_error is not None:
             raise self.resolve_error
         assert target.ip is not None
         return ResolvedTarget(target, target.ip)
 
     async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
-                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> PrefillReply:
+                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> WorkerReply:
         self.calls.append(Call("POST", target, path, list(headers), body, bounds))
         return await self._answer()
 
-    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> PrefillReply:
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> WorkerReply:
         self.calls.append(Call("GET", target, path, list(headers), None))
         return await self._answer()
 
-    async def _answer(self) -> PrefillReply:
+    async def _answer(self) -> WorkerReply:
         answer = self.answers.popleft()
         if isinstance(answer, PdError):
             raise answer
-        if isinstance(answer, PrefillReply):
+        if isinstance(answer, WorkerReply):
             return answer
         return await answer()
 
@@ -88,8 +86,8 @@ class FakeTransport:
         return [call for call in self.calls if call.method == "POST" and call.target == target]
 
 
-def ok(body: dict[str, Any]) -> PrefillReply:
-    return PrefillReply(200, "application/json", json.dumps(body).encode())
+def ok(body: dict[str, Any]) -> WorkerReply:
+    return WorkerReply(200, "application/json", json.dumps(body).encode())
 
 
 @dataclass
@@ -181,7 +179,7 @@ def test_a_cancelled_sequential_request_releases_its_slot_and_is_counted_cancell
         r = rig(VllmNixlAdapter())
         sent, never = asyncio.Event(), asyncio.Event()
 
-        async def hang() -> PrefillReply:
+        async def hang() -> WorkerReply:
             sent.set()
             await never.wait()
             raise AssertionError("unreachable")
@@ -234,7 +232,7 @@ def test_a_prefill_name_that_does_not_resolve_falls_back_only_when_asked(fallbac
 # --- the concurrent flow -------------------------------------------------------------------------
 
 
-def sglang_prefill_ok() -> PrefillReply:
+def sglang_prefill_ok() -> WorkerReply:
     return ok({"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]})
 
 
@@ -243,7 +241,7 @@ def test_a_background_prefill_holds_its_slot_until_it_ends() -> None:
         r = rig(SglangAdapter())
         release = asyncio.Event()
 
-        async def later() -> PrefillReply:
+        async def later() -> WorkerReply:
             await release.wait()
             return sglang_prefill_ok()
 
@@ -282,18 +280,18 @@ def test_a_background_prefill_cancelled_before_its_first_step_releases_its_slot(
 def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our_error() -> None:
     async def run() -> None:
         r = rig(SglangAdapter())
-        r.transport.answers.append(PrefillReply(503, "application/json", b""))
+        r.transport.answers.append(WorkerReply(503, "application/json", b""))
         request_head, pending = await start(r, CHAT_BODY)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
         handle = outcome.background
         assert handle is not None
         # The first abort is lost (decode does not have the request yet), the second ends it.
-        r.transport.answers.append(PrefillReply(200, "text/plain", b""))
+        r.transport.answers.append(WorkerReply(200, "text/plain", b""))
 
-        async def second_abort() -> PrefillReply:
+        async def second_abort() -> WorkerReply:
             asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
                 r.processor.on_decode_answer(handle, 500)))
-            return PrefillReply(200, "text/plain", b"")
+            return WorkerReply(200, "text/plain", b"")
 
         r.transport.answers.append(second_abort)
         await handle.task

@@ -9,15 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.adapters import ENGINES, adapter_flow, build_adapter
-from extproc.adapters.base import Flow, PlanInput, PrefillReply
+from extproc.adapters import adapter_flow, build_adapter, engines
+from extproc.adapters.base import Flow, PlanInput
 from extproc.adapters.sglang import PROTOCOL_0_5_23, ROOM_LIMIT, SglangAdapter, rid_from_nonce, room_from_nonce
 from extproc.config import ConfigError, load_settings
-from extproc.envoy_config import decode_idle_timeout
+from extproc.core.fields import refuse_reserved
+from extproc.core.prefill_target import parse_prefill_target
+from extproc.envoy.bootstrap import decode_idle_timeout
 from extproc.errors import Code, PdError
-from extproc.fields import refuse_reserved
-from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
+from extproc.upstream.transport import WorkerReply
 from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:30000"])
@@ -111,9 +112,9 @@ def test_bad_server_info_stops_before_either_leg(info: dict[str, Any], param: st
     assert caught.value.code is Code.INVALID_PREFILL_HANDOFF and caught.value.param == param
 
 
-def reply(status: int, body: Any, content_type: str = "application/json") -> PrefillReply:
+def reply(status: int, body: Any, content_type: str = "application/json") -> WorkerReply:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return PrefillReply(status, content_type, raw)
+    return WorkerReply(status, content_type, raw)
 
 
 def test_background_check_accepts_sglangs_completion() -> None:
@@ -129,7 +130,7 @@ def test_background_check_accepts_sglangs_completion() -> None:
     (reply(200, b"data: {}\n\n", "text/event-stream"), Code.PREFILL_RESPONSE_STREAMED, None),
     (reply(200, b'{"choices": ['), Code.PREFILL_RESPONSE_TRUNCATED, None),
 ])
-def test_background_check_reports_failures(answer: PrefillReply, code: Code, param: str | None) -> None:
+def test_background_check_reports_failures(answer: WorkerReply, code: Code, param: str | None) -> None:
     with pytest.raises(PdError) as caught:
         SglangAdapter().check_prefill(answer)
     assert caught.value.code is code and caught.value.param == param
@@ -139,7 +140,7 @@ def test_background_check_reports_failures(answer: PrefillReply, code: Code, par
 
 def test_registry_builds_from_settings_and_the_flow_is_concurrent() -> None:
     assert adapter_flow("sglang") is Flow.CONCURRENT
-    assert ENGINES["sglang"].pins[0] == PROTOCOL_0_5_23
+    assert engines()["sglang"].pins[0] == PROTOCOL_0_5_23
     configured = build_adapter("sglang", "", {"sglang_bootstrap_port": 9100})
     assert type(configured) is SglangAdapter and configured.protocol == PROTOCOL_0_5_23
     made = configured.plan(request("/v1/completions", {"prompt": "p"}), PlanInput(TARGET, 1))

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.adapters import adapter_flow, build_adapter
-from extproc.adapters.base import AnswerDirectly, DecodeWith, Flow, PlanInput, PrefillReply
+from extproc.adapters.base import AnswerDirectly, DecodeWith, Flow, PlanInput
 from extproc.adapters.trtllm import (
     AUTH_HEADER,
     DISAGG_ID_LIMIT,
@@ -24,10 +24,11 @@ from extproc.adapters.trtllm import (
     signature,
 )
 from extproc.config import ConfigError, load_settings
+from extproc.core.fields import refuse_reserved
+from extproc.core.prefill_target import parse_prefill_target
 from extproc.errors import Code, PdError
-from extproc.fields import refuse_reserved
-from extproc.prefill_target import parse_prefill_target
 from extproc.settings_spec import SecretFileError
+from extproc.upstream.transport import WorkerReply
 from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:8000"])
@@ -54,7 +55,7 @@ def context_body(body: dict[str, Any], path: str = "/v1/chat/completions", nonce
 def decide(body: dict[str, Any] | bytes, context: dict[str, Any] | bytes, path: str = "/v1/completions",
            adapter: TrtllmAdapter | None = None) -> Any:
     raw = context if isinstance(context, bytes) else json.dumps(context).encode()
-    return (adapter or TrtllmAdapter()).decide(request(path, body), PrefillReply(200, "application/json", raw))
+    return (adapter or TrtllmAdapter()).decide(request(path, body), WorkerReply(200, "application/json", raw))
 
 
 def test_context_request_is_context_only_one_token_and_not_streamed() -> None:
@@ -233,7 +234,7 @@ def test_a_streaming_client_gets_a_complete_event_stream(path: str, usage: bool)
 def test_context_errors_are_the_prefill_legs_errors() -> None:
     with pytest.raises(PdError) as caught:
         TrtllmAdapter().decide(request("/v1/completions", {"prompt": "p"}),
-                               PrefillReply(400, "application/json", b'{"object":"error"}'))
+                               WorkerReply(400, "application/json", b'{"object":"error"}'))
     assert caught.value.code is Code.PREFILL_UPSTREAM_ERROR and caught.value.status == 400
 
 

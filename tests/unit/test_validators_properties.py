@@ -11,12 +11,12 @@ from typing import Any
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters.base import PrefillReply
 from extproc.adapters.vllm_nixl import PROTOCOLS, RULES, VllmNixlAdapter, handoff_from_reply, validate_handoff
+from extproc.core.fields import refuse_reserved
+from extproc.core.openai_request import ClientRequest, parse_client_request
+from extproc.core.prefill_target import parse_prefill_target
 from extproc.errors import SPEC, Code, PdError, error_body
-from extproc.fields import refuse_reserved
-from extproc.openai_request import ClientRequest, parse_client_request
-from extproc.prefill_target import PrefillTarget, parse_prefill_target
+from extproc.upstream.transport import WorkerAddress, WorkerReply
 
 MARKER = "zqmarker"
 json_leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
@@ -54,7 +54,7 @@ def test_prefill_header_parser_total(values: list[str]) -> None:
     except PdError as error:
         assert_documented(error, {Code.INVALID_PREFILL_TARGET}, {None})
         return
-    assert isinstance(target, PrefillTarget)
+    assert isinstance(target, WorkerAddress)
     assert 1 <= target.port <= 65535
     assert len(values) == 1 and "," not in values[0] and "@" not in values[0] and " " not in values[0]
 
@@ -115,7 +115,7 @@ def test_handoff_validator_total(protocol: str, overrides: dict[str, Any], start
 def test_prefill_reply_reader_total(status: int, content_type: str | None, body: bytes) -> None:
     assume(MARKER.encode() not in body)
     try:
-        raw = handoff_from_reply(PrefillReply(status, content_type, body), PROTOCOLS[0])
+        raw = handoff_from_reply(WorkerReply(status, content_type, body), PROTOCOLS[0])
     except PdError as error:
         assert_documented(error, HANDOFF_CODES, HANDOFF_PARAMS)
         return

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.base import PlanInput, PrefillReply
+from extproc.adapters.base import PlanInput
 from extproc.adapters.vllm_nixl import (
     PROTOCOL_0_32,
     PROTOCOL_0_33,
@@ -16,9 +16,10 @@ from extproc.adapters.vllm_nixl import (
     prefill_body,
     validate_handoff,
 )
+from extproc.core.openai_request import parse_client_request
+from extproc.core.prefill_target import parse_prefill_target
 from extproc.errors import Code, PdError
-from extproc.openai_request import parse_client_request
-from extproc.prefill_target import parse_prefill_target
+from extproc.upstream.transport import WorkerReply
 
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2], []],
            "remote_engine_id": "e-1", "remote_request_id": "cmpl-1-0-ab", "remote_host": "10.0.0.1",
@@ -90,7 +91,7 @@ def test_adapter_forwards_the_reply_handoff_verbatim() -> None:
     prefill_body = adapter.prefill_body(client, PlanInput(parse_prefill_target(["10.0.0.1:8000"]), 0))
     assert json.loads(prefill_body)["max_tokens"] == 1
     handoff = json.dumps(HANDOFF, indent=1).encode()
-    reply = PrefillReply(200, "application/json", b'{"id": "x", "kv_transfer_params": ' + handoff + b"}")
+    reply = WorkerReply(200, "application/json", b'{"id": "x", "kv_transfer_params": ' + handoff + b"}")
     assert adapter.decide(client, reply).body.endswith(b'"kv_transfer_params":' + handoff + b"}")
 
 

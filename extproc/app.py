@@ -1,0 +1,235 @@
+"""The application: the one place the object graph is built from Settings (adapter, prefill client,
+admission, metrics, tracing, decode-queue watch, processor, gRPC and HTTP servers), gRPC health, the
+metrics/health HTTP endpoint, drain and signals. The stream loop itself is extproc/envoy/stream.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import socket
+import ssl
+from collections.abc import Callable
+from math import nan
+from typing import TYPE_CHECKING
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from extproc.adapters import build_adapter, engines
+from extproc.config import ConfigError, Settings
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefills
+from extproc.core.prefill_policy import PrefillPolicy
+from extproc.core.processor import PdProcessor
+from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
+from extproc.observability.httpserver import HttpServer, Request, Response
+from extproc.observability.metrics import Metrics
+from extproc.settings_spec import SecretFileError
+from extproc.units import Address
+from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
+from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.transport import ResolvedTarget, WorkerAddress
+
+if TYPE_CHECKING:
+    from extproc.observability.tracing import Tracing
+
+log = logging.getLogger("extproc.server")
+# Seconds NOT_SERVING is visible before the listener closes (Envoy ejects after 2 checks, 1 s apart).
+HEALTH_NOTICE = 2.5
+
+
+def _prefill_tls(settings: Settings) -> WorkerTls | None:
+    if not settings.prefill_tls:
+        return None
+    try:
+        context = tls_context(settings.prefill_ca_file, settings.prefill_cert_file, settings.prefill_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"prefill TLS files cannot be loaded: {exc}") from None
+    return WorkerTls(context, settings.prefill_server_name)
+
+
+def _decode_target(decode: Address) -> ResolvedTarget:
+    """The local decode worker as a transport target (for a concurrent engine's abort request). Its
+    address is configured, never taken from a request, so the prefill policy does not apply; a name is
+    resolved once, here."""
+    try:
+        ip = ipaddress.ip_address(decode.host)
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(decode.host, decode.port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ConfigError(f"the decode worker's name {decode.host} does not resolve: {exc}") from None
+        ip = ipaddress.ip_address(str(infos[0][4][0]).split("%", 1)[0])
+    return ResolvedTarget(WorkerAddress(decode.host, decode.port, ip), ip, tls=False)
+
+
+# A decode worker's metrics page: vLLM's with several ranks and many histograms runs to a few MiB.
+DECODE_METRICS_MAX_BYTES = 16 << 20
+
+
+def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget,
+                  metrics: Metrics) -> DecodeQueueWatch | None:
+    engine = engines().get(settings.adapter)
+    if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
+        return None
+    interval = settings.decode_queue_interval
+    # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
+    # size cap apply to it.
+    client = WorkerClient(WorkerLimits(
+        connect_timeout=interval, read_timeout=interval, deadline=interval,
+        max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)
+    watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
+                             settings.decode_queue_interval,
+                             on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc())
+    # Read at scrape time from the watch, the reading's one owner: NaN exactly when the limit has
+    # nothing fresh to act on.
+    metrics.decode_queue.set_function(lambda: nan if watch.waiting is None else watch.waiting)
+    return watch
+
+
+def _tracing(settings: Settings) -> Tracing | None:
+    if settings.tracing == "off":
+        return None
+    try:
+        from extproc.observability.tracing import Tracing
+    except ImportError:
+        raise ConfigError("PD_EXTPROC_TRACING=otlp needs the otel extra: pip install 'pd-extproc[otel]'") from None
+    return Tracing(settings.otlp_endpoint)
+
+
+class ListenError(OSError):
+    """A listener cannot bind; the message says which and where, for the operator."""
+
+
+class ExtProcServer:
+    """The server and everything it owns, built from Settings. Construct inside the running loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.admission = Admission(limit=settings.max_inflight)
+        self.policy = PrefillPolicy(settings.prefill_allow, allow_loopback=settings.demo)
+        self.prefill = WorkerClient(WorkerLimits(
+            connect_timeout=settings.prefill_connect_timeout,
+            read_timeout=settings.prefill_read_timeout,
+            deadline=settings.prefill_deadline,
+            max_response_bytes=settings.max_prefill_response_bytes,
+            max_connections=settings.max_inflight,
+        ), self.policy, _prefill_tls(settings))
+        self.tracing = _tracing(settings)
+        self.background = BackgroundPrefills()
+        try:
+            adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
+        except SecretFileError as exc:
+            raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
+        decode = _decode_target(settings.decode)
+        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics)
+        self.processor = PdProcessor(
+            adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
+            metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
+            fallback=settings.prefill_fallback == "aggregated", tracing=self.tracing,
+        )
+        self.metrics.admitted.set_function(lambda: self.admission.inflight)
+        self.metrics.background_prefills.set_function(lambda: len(self.background))
+        self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
+        self.metrics.prefill_idle_connections.set_function(self.prefill.idle_connections)
+        self.health = HealthServicer()
+        self.http = HttpServer(self._http)
+        self.metrics_port = 0
+        limit = settings.grpc_max_message_bytes
+        self.grpc = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_concurrent_streams", 0x7FFFFFFF),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        try:
+            self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())
+        except RuntimeError:  # grpc says "Failed to bind" as a RuntimeError
+            self.bound_port = 0
+        if self.bound_port == 0 and not settings.grpc_listen.is_unix:
+            raise ListenError(f"cannot listen on {settings.grpc_listen} (grpc_listen): is it in use?")
+
+    @property
+    def address(self) -> str:
+        listen = self.settings.grpc_listen
+        if listen.is_unix:
+            return listen.grpc_target()
+        host = f"[{listen.host}]" if ":" in listen.host else listen.host
+        return f"{host}:{self.bound_port}"
+
+    async def _http(self, request: Request) -> Response:
+        if request.path == "/metrics":
+            return Response(200, self.metrics.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        if request.path == "/healthz":
+            return Response(200, b'{"status":"ok"}')
+        if request.path == "/readyz":
+            if self.admission.draining:
+                return Response(503, b'{"status":"draining"}')
+            return Response(200, b'{"status":"ready"}')
+        return Response(404, b'{"status":"not found"}')
+
+    async def start(self) -> None:
+        listen = self.settings.metrics_listen
+        try:
+            self.metrics_port = await self.http.start(listen.host, listen.port)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
+                              "with --metrics-listen") from None
+        await self.grpc.start()
+        if self.decode_queue is not None:
+            self.decode_queue.start()
+        for service in ("", EXT_PROC_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if not self.policy.explicit:
+            log.warning("no prefill allow-list (PD_EXTPROC_PREFILL_ALLOW): any non-loopback, non-link-local "
+                        "unicast address may be a prefill target; an explicit list is recommended")
+
+    async def drain(self) -> None:
+        """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them.
+
+        Health goes NOT_SERVING first and the gRPC listener stays up for HEALTH_NOTICE seconds, so
+        Envoy's health checker (two checks, 1 s apart) sees it and stops sending; a P/D stream that still
+        arrives gets a JSON 503 pd_shutting_down rather than a transport error."""
+        self.admission.draining = True
+        for service in ("", EXT_PROC_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
+        await asyncio.sleep(notice)  # in-flight requests carry on meanwhile
+        loop = asyncio.get_running_loop()
+        grace_ends = loop.time() + self.settings.drain_timeout - notice
+        await self.grpc.stop(self.settings.drain_timeout - notice)
+        # Concurrent-flow prefill requests still running: the rest of the grace period, then cancelled.
+        await self.background.drain(grace_ends - loop.time())
+        if self.decode_queue is not None:
+            await self.decode_queue.stop()
+        await self.prefill.aclose()
+        await self.http.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued
+
+
+async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain. A second signal stops at once."""
+    server = ExtProcServer(settings)
+    await server.start()
+    log.info("ext_proc server listening", extra={
+        "address": server.address, "metrics_port": server.metrics_port, "settings": settings.describe()})
+    if on_ready is not None:
+        on_ready(server.address, server.metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining", extra={"grace_seconds": settings.drain_timeout, "inflight": server.admission.inflight})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    await server.drain()
+    log.info("stopped")

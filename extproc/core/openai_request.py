@@ -1,0 +1,113 @@
+"""Validation of the client's OpenAI request, before either leg runs. Pure: bytes in, a value or PdError out.
+
+We check only what the P/D path depends on; everything else is the engines' business and reaches
+them verbatim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from extproc.core import jsonspan
+from extproc.core.fields import is_int
+from extproc.errors import Code, PdError
+
+
+class Endpoint(StrEnum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    endpoint: Endpoint
+    path: str  # the original :path, query string included
+    raw: bytes  # the client's body, exactly as received
+    body: dict[str, Any]  # the parsed body (read-only by convention)
+    members: tuple[jsonspan.Member, ...]
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+# Fields whose types we rely on. Names here are the only request names an error can carry.
+_OPTIONAL_BOOL = ("stream",)
+_OPTIONAL_POSITIVE_INT = ("max_tokens", "max_completion_tokens")
+
+
+def endpoint_of(path: str) -> Endpoint:
+    bare = path.split("?", 1)[0]
+    for endpoint in Endpoint:
+        if bare == endpoint.value:
+            return endpoint
+    raise PdError(Code.UNSUPPORTED_ENDPOINT)
+
+
+def is_json_content_type(value: str | None) -> bool:
+    if value is None:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> ClientRequest:
+    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse."""
+    endpoint = endpoint_of(path)
+    if len(raw) > max_bytes:
+        raise PdError(Code.REQUEST_TOO_LARGE)
+    if not is_json_content_type(content_type):
+        raise PdError(Code.UNSUPPORTED_MEDIA_TYPE)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise PdError(Code.INVALID_REQUEST_BODY) from None
+    if not isinstance(body, dict):
+        raise PdError(Code.INVALID_REQUEST_BODY)
+    members = jsonspan.unique_members(raw)
+    if members is None:  # we refuse rather than guess which duplicate the engine sees
+        raise PdError(Code.INVALID_REQUEST_BODY)
+    _check_fields(endpoint, body)
+    return ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members))
+
+
+def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
+    for name in _OPTIONAL_BOOL:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
+    for name in _OPTIONAL_POSITIVE_INT:
+        value = body.get(name)
+        if value is not None and not (is_int(value) and value >= 1):
+            raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
+    n = body.get("n")
+    if n is not None and not (is_int(n) and n == 1):
+        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="n")
+    if endpoint is Endpoint.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PdError(Code.INVALID_REQUEST_FIELD, field="messages")
+    else:
+        _check_prompt(body.get("prompt"))
+
+
+def _check_prompt(prompt: object) -> None:
+    """A completions prompt must be one prompt: a string, a list of token ids, or a one-item batch.
+
+    vLLM returns kv_transfer_params for the first prompt of a batch only, so a batch cannot be
+    disaggregated correctly.
+    """
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(is_int(token) for token in prompt):
+            return
+        if len(prompt) == 1 and (isinstance(prompt[0], str) or
+                                 (isinstance(prompt[0], list) and all(is_int(t) for t in prompt[0]))):
+            return
+        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="prompt")
+    raise PdError(Code.INVALID_REQUEST_FIELD, field="prompt")

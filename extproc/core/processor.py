@@ -1,0 +1,370 @@
+"""One HTTP request's P/D decision: head checks, prefill leg, handoff, decode body. No engine knowledge.
+
+The processor sequences the pure steps (prefill_target, openai_request, the adapter) around the I/O
+steps, which it asks of a ``Transport`` (target resolution, the prefill call, discovery, a decode
+abort), and turns every outcome into an ext_proc response. It is the single place a PdError becomes a
+client-visible reply and the single place a request is logged and counted.
+
+Sequential engines: prefill, then ``decide``, then the body mutation (or a direct answer).
+Concurrent engines: the decode body goes back at once and the prefill request runs in the background,
+owned by ``BackgroundPrefills``; if it fails, the adapter's abort request ends the waiting decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.adapters.base import (
+    Adapter,
+    AnswerDirectly,
+    ConcurrentAdapter,
+    ConcurrentPlan,
+    DecodeWith,
+    Disabled,
+    PlanInput,
+    SequentialAdapter,
+)
+from extproc.core.admission import Admission
+from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
+from extproc.core.fields import refuse_reserved
+from extproc.core.headers import prefill_headers
+from extproc.core.openai_request import ClientRequest, parse_client_request
+from extproc.core.prefill_target import HEADER, parse_prefill_target
+from extproc.envoy import messages as msg
+from extproc.errors import Code, PdError
+from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.discovery import ServerInfoCache
+from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
+
+if TYPE_CHECKING:
+    from extproc.observability.tracing import Tracing
+
+log = logging.getLogger("extproc.request")
+
+# A request id is logged as is only if it looks like an id (hex, dashes); anything else is logged as
+# a digest, so a caller cannot put text of their choosing into our logs.
+_ID_SHAPE = re.compile(r"[0-9a-fA-F-]{1,64}")
+
+
+def loggable_request_id(value: str | None) -> str:
+    if not value:
+        return "-"
+    if _ID_SHAPE.fullmatch(value):
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class Pending:
+    """What the headers phase learned, for the body phase of the same stream."""
+
+    record: RequestRecord
+    # The checked target, or (with fallback on) a failure of the prefill worker already known from
+    # the head, such as a name that did not resolve: the body phase serves that request whole.
+    target: ResolvedTarget | PdError
+
+
+@dataclass(frozen=True, slots=True)
+class BodyOutcome:
+    """The reply to the body message, and for concurrent engines the prefill still running (the stream
+    cancels it if Envoy ends the stream before decode answers)."""
+
+    response: pb.ProcessingResponse
+    background: BackgroundPrefill | None = None
+
+
+# A lost abort (one that reaches SGLang's scheduler before the request itself) is forgotten, so the
+# abort is sent again after each of these waits until decode has answered (it is idempotent).
+ABORT_RETRY_WAITS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# How long a failed decode answer waits for the prefill leg's own outcome (see on_decode_answer).
+DECODE_ERROR_GRACE = 2.0
+
+
+class PdProcessor:
+    def __init__(
+        self,
+        adapter: Adapter | Disabled,
+        transport: Transport,
+        *,
+        max_request_bytes: int,
+        admission: Admission,
+        metrics: Metrics,
+        background: BackgroundPrefills,
+        decode: ResolvedTarget,
+        decode_queue: DecodeQueueWatch | None = None,
+        fallback: bool = False,
+        tracing: Tracing | None = None,
+        nonce: Callable[[], int] = lambda: secrets.randbits(63),
+    ) -> None:
+        self._adapter = adapter
+        self._transport = transport
+        self._max_request_bytes = max_request_bytes
+        self._admission = admission
+        self._metrics = metrics
+        self._background = background
+        self._decode = decode
+        self._decode_queue = decode_queue
+        self._fallback = fallback
+        self._tracing = tracing
+        self._nonce = nonce
+        self._adapter_name = adapter.name
+        self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
+
+    # --- the two ext_proc phases -------------------------------------------------------------------
+
+    async def on_headers(self, head: msg.RequestHead) -> Pending | pb.ProcessingResponse:
+        """Everything that needs only the head: the kill switch, draining, the cap, the target and its policy.
+        Returns the state for the body phase, or the reply that ends the request now."""
+        record = self._record(head)
+        try:
+            if isinstance(self._adapter, Disabled):
+                raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
+            self._admission.check()  # shed before Envoy buffers the body (on_body checks again)
+            if self._decode_queue is not None and self._decode_queue.over_limit():
+                self._metrics.decode_queue_sheds.labels(self._adapter_name).inc()
+                raise PdError(Code.PD_OVERLOADED)  # before any prefill: its KV would wait past the lease
+            target: ResolvedTarget | PdError = await self._transport.resolve(parse_prefill_target(head.values(HEADER)))
+        except PdError as error:
+            if not (self._fallback and error.allows_fallback):
+                return self._refuse(record, error)
+            target = error
+        except asyncio.CancelledError:
+            self._finish(record, "cancelled", 499)
+            raise
+        return Pending(record, target)
+
+    def refuse_now(self, pending: Pending, code: Code) -> pb.ProcessingResponse:
+        return self._refuse(pending.record, PdError(code))
+
+    async def on_body(self, head: msg.RequestHead, pending: Pending, body: bytes) -> BodyOutcome:
+        record = pending.record
+        record.body_bytes = len(body)
+        adapter = self._adapter
+        try:
+            if isinstance(adapter, Disabled):  # refused at the head already; a body never gets here
+                raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
+            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
+            refuse_reserved(request.body, adapter.reserved_fields)
+            target = pending.target
+            if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
+                raise target  # only a sequential flow can serve a request whole
+            self._admission.enter()
+            self._metrics.inflight.inc()
+            if isinstance(adapter, ConcurrentAdapter):
+                assert not isinstance(target, PdError)
+                return await self._start_concurrent(adapter, head, request, target, record)
+            try:
+                if isinstance(target, PdError):
+                    raise target
+                response = await self._run_sequential(adapter, head, request, target, record)
+            except PdError as error:
+                if not (self._fallback and error.allows_fallback):
+                    raise
+                response = self._fall_back(adapter, request, record, error)
+            finally:
+                self._leave()
+        except PdError as error:
+            return BodyOutcome(self._refuse(record, error))
+        except asyncio.CancelledError:
+            self._finish(record, "cancelled", 499)
+            raise
+        except Exception:
+            log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
+            return BodyOutcome(self._refuse(record, PdError(Code.INTERNAL_ERROR)))
+        self._finish(record, record.outcome, record.status)
+        return BodyOutcome(response)
+
+    # --- the flows ---------------------------------------------------------------------------------
+
+    async def _run_sequential(self, adapter: SequentialAdapter, head: msg.RequestHead, request: ClientRequest,
+                              target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
+        prefill_body = adapter.prefill_body(request, await self._plan_input(adapter, target))
+        reply = await self._post_prefill(adapter, head, request, target, prefill_body, record)
+        decision = adapter.decide(request, reply)
+        if isinstance(decision, AnswerDirectly):
+            record.outcome = "answered_by_prefill"
+            return msg.immediate(decision.status, decision.body, "pd_answered_by_prefill",
+                                 content_type=decision.content_type.encode())
+        return self._decode_reply(adapter, decision)
+
+    def _fall_back(self, adapter: Adapter, request: ClientRequest, record: RequestRecord,
+                   error: PdError) -> pb.ProcessingResponse:
+        """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback)."""
+        record.outcome, record.fallback_reason = "prefill_fallback", error.code.value
+        self._metrics.fallbacks.labels(record.adapter, error.code.value).inc()
+        return self._decode_reply(adapter, adapter.aggregated(request), metadata={"fallback": "aggregated"})
+
+    async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
+                                target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
+        """Both legs at once (the engines rendezvous by themselves): decode gets its body now, the
+        prefill request runs in the background; from here its slot is released by the owner."""
+        try:
+            plan = adapter.plan(request, await self._plan_input(adapter, target))
+        except BaseException:
+            self._leave()
+            raise
+        handle = self._background.start(
+            lambda handle: self._background_prefill(adapter, head, request, target, record, plan, handle),
+            lambda finished: self._background_done(finished, record))
+        return BodyOutcome(self._decode_reply(adapter, plan.decode), handle)
+
+    async def on_decode_answer(self, handle: BackgroundPrefill, status: int) -> pb.ProcessingResponse:
+        """Decode's response headers arrived. If the prefill leg failed, the client gets that error
+        (decode's own answer is dropped: it only says it was aborted, or could not reach the prefill
+        engine); otherwise decode's answer. When decode fails while our prefill request is still out,
+        the prefill's outcome is awaited for a moment: both usually fail for the same reason."""
+        handle.decode_answered.set()
+        if status >= 400 and handle.failure is None and not handle.task.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DECODE_ERROR_GRACE):
+                    await asyncio.shield(handle.task)
+        if handle.failure is not None:
+            error = handle.failure
+            return msg.error_reply(error.code, error.status, error.param)
+        if status >= 400 and not handle.task.done():
+            # Decode failed and its answer goes to the client: nobody will claim what the prefill holds,
+            # and it would wait for a claim until its engine's bootstrap timeout (SGLang: 300 s) with our
+            # admission slot, a prefill connection and its KV. Closing our request aborts it there.
+            handle.abandoned_after_decode = status
+            handle.task.cancel()
+        return msg.continue_response_headers()
+
+    async def _background_prefill(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
+                                  target: ResolvedTarget, record: RequestRecord, plan: ConcurrentPlan,
+                                  handle: BackgroundPrefill) -> None:
+        try:
+            reply = await self._post_prefill(adapter, head, request, target, plan.prefill_body, record,
+                                             Bounds(adapter.prefill_deadline, adapter.prefill_deadline))
+            adapter.check_prefill(reply)
+        except PdError as error:
+            self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
+            record.handoff_problem = error.handoff_reason
+            handle.failure = error
+            if plan.abort is not None and not handle.decode_answered.is_set():
+                record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
+            self._finish(record, error.code.value, error.status)
+            return
+        except asyncio.CancelledError:
+            if handle.abandoned_after_decode is not None:  # decode's own error was the answer, as with
+                self._finish(record, "ok", handle.abandoned_after_decode)  # the sequential engines
+            else:
+                self._finish(record, "cancelled", 499)
+            raise
+        except Exception:
+            log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
+            self._finish(record, Code.INTERNAL_ERROR.value, 500)
+            return
+        self._finish(record, "ok", 200)
+
+    def _background_done(self, task: Task, record: RequestRecord) -> None:
+        self._leave()
+        if not record.done:  # cancelled before its first step: nothing inside the task ran
+            self._finish(record, "cancelled", 499)
+
+    async def _abort_decode(self, plan: ConcurrentPlan, record: RequestRecord, decode_answered: asyncio.Event) -> bool:
+        """End the decode request that waits for this prefill: the abort request, again after each wait
+        until decode has answered. True once decode answered after an accepted abort."""
+        assert plan.abort is not None
+        headers = [*plan.abort.headers, ("content-type", "application/json")]
+        accepted = False
+        for wait in (*ABORT_RETRY_WAITS, None):
+            try:
+                reply = await self._transport.post(self._decode, plan.abort.path, headers, plan.abort.body)
+            except PdError as error:
+                log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
+            else:
+                accepted = accepted or reply.status == 200
+                if reply.status != 200:
+                    log.warning("decode abort refused", extra={"request_id": record.request_id,
+                                                              "status": reply.status})
+            if wait is None:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await decode_answered.wait()
+                    break
+        return accepted and decode_answered.is_set()
+
+    # --- pieces ------------------------------------------------------------------------------------
+
+    async def _plan_input(self, adapter: Adapter, target: ResolvedTarget) -> PlanInput:
+        server_info = None
+        if adapter.server_info_path is not None:
+            server_info = await self._server_info.get(target, adapter.server_info_path)
+        # The adapter sees the address we checked, not the name: an engine that dials the prefill host
+        # itself (SGLang's bootstrap) must not resolve the name again to another address.
+        checked = WorkerAddress(host=str(target.ip), port=target.target.port, ip=target.ip)
+        return PlanInput(checked, self._nonce(), server_info)
+
+    async def _post_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
+                            target: ResolvedTarget, body: bytes, record: RequestRecord,
+                            bounds: Bounds | None = None) -> WorkerReply:
+        headers = prefill_headers(head.headers, adapter.reserved_headers)
+        if record.trace is None:
+            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
+        headers = record.trace.start_prefill(headers)
+        try:
+            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
+        finally:
+            record.trace.end_prefill(record.prefill.status)
+
+    def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
+                      metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
+        overridden = {name for name, _ in decision.headers}
+        remove = sorted(name for name in adapter.reserved_headers if name not in overridden)
+        return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
+
+    def _leave(self) -> None:
+        self._admission.leave()
+        self._metrics.inflight.dec()
+
+    def _record(self, head: msg.RequestHead) -> RequestRecord:
+        record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
+                               time.perf_counter())
+        if self._tracing is not None:
+            record.trace = self._tracing.begin(head.headers)
+        return record
+
+    def _refuse(self, record: RequestRecord, error: PdError) -> pb.ProcessingResponse:
+        record.handoff_problem = error.handoff_reason
+        self._finish(record, error.code.value, error.status)
+        extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
+        return msg.error_reply(error.code, error.status, error.param, extra)
+
+    def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
+        record.outcome, record.status, record.done = outcome, status, True
+        total = time.perf_counter() - record.started
+        self._metrics.finish(record, total)
+        if record.trace is not None:
+            record.trace.finish(record.adapter, outcome, status)
+        extra = {
+            "request_id": record.request_id,
+            "adapter": record.adapter,
+            "outcome": outcome,
+            "status": status,
+            "prefill_status": record.prefill.status,
+            "prefill_ms": _ms(record.prefill.total_seconds),
+            "total_ms": _ms(total),
+            "body_bytes": record.body_bytes,
+        }
+        if record.decode_aborted is not None:
+            extra["decode_aborted"] = record.decode_aborted
+        if record.fallback_reason is not None:
+            extra["fallback_reason"] = record.fallback_reason
+        log.info("pd_request", extra=extra)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)

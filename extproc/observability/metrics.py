@@ -1,0 +1,126 @@
+"""Prometheus metrics: what only this server can see (Envoy already counts requests and bytes).
+
+Every metric is updated once per request, from its RequestRecord, when the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from extproc._version import __version__
+from extproc.upstream.transport import ExchangeTimings
+
+# Outcomes that are not errors: the request was served (by decode, whole by a TensorRT-LLM context
+# phase, or whole by decode after a prefill failure with PD_EXTPROC_PREFILL_FALLBACK), or the client
+# left. Every other outcome is an error code from extproc/errors.py.
+SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill", "prefill_fallback"})
+NOT_ERROR_OUTCOMES = SERVED_OUTCOMES | {"cancelled"}
+
+if TYPE_CHECKING:
+    from extproc.observability.tracing import RequestTrace
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_SIZE_BUCKETS = (1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One P/D request as the log line and the metrics see it. Never bodies or header values."""
+
+    request_id: str
+    adapter: str
+    started: float
+    outcome: str = "ok"
+    status: int = 200
+    prefill: ExchangeTimings = field(default_factory=ExchangeTimings)  # the prefill leg, as the transport saw it
+    body_bytes: int | None = None
+    handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
+    decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
+    done: bool = False  # logged and counted
+    trace: RequestTrace | None = None  # only with PD_EXTPROC_TRACING=otlp
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge("pd_extproc_build_info", "The running pd-extproc release (always 1).", ["version"],
+                                registry=self.registry)
+        self.build_info.labels(__version__).set(1)
+        self.requests = Counter(
+            "pd_extproc_requests",
+            "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",
+            ["adapter", "outcome"], registry=self.registry)
+        self.prefill_seconds = Histogram(
+            "pd_extproc_prefill_seconds",
+            "Prefill leg latency: connect (new connections only), response (until the response head), total.",
+            ["adapter", "phase"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.processing_seconds = Histogram(
+            "pd_extproc_processing_seconds", "Time spent in this server per P/D request, excluding the prefill leg.",
+            ["adapter"], buckets=_OVERHEAD_BUCKETS, registry=self.registry)
+        self.handoff_failures = Counter(
+            "pd_extproc_handoff_failures", "Invalid prefill handoffs by reason (the offending field).",
+            ["adapter", "reason"], registry=self.registry)
+        self.background_failures = Counter(
+            "pd_extproc_background_prefill_failures",
+            "Concurrent-flow prefill requests that failed after decode had already started, by error code.",
+            ["adapter", "reason"], registry=self.registry)
+        self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
+                              registry=self.registry)
+        # What a request must give back when it ends (issue 27's soak reads them at rest: all 0 but the pool).
+        self.admitted = Gauge("pd_extproc_admission_slots_in_use",
+                              "Admission slots held (PD_EXTPROC_MAX_INFLIGHT counts these).", registry=self.registry)
+        self.background_prefills = Gauge(
+            "pd_extproc_background_prefills", "Concurrent-flow prefill tasks still running.", registry=self.registry)
+        self.loop_tasks = Gauge("pd_extproc_event_loop_tasks", "Tasks on the server's event loop.",
+                                registry=self.registry)
+        self.prefill_idle_connections = Gauge(
+            "pd_extproc_prefill_idle_connections", "Idle keep-alive connections in the prefill pool.",
+            registry=self.registry)
+        self.fallbacks = Counter(
+            "pd_extproc_prefill_fallbacks",
+            "P/D requests served whole by the decode worker after a prefill failure, by that failure's code.",
+            ["adapter", "reason"], registry=self.registry)
+        self.decode_queue = Gauge(
+            "pd_extproc_decode_queue_waiting",
+            "Requests waiting on the local decode worker at the last reading (NaN: no fresh reading).",
+            registry=self.registry)
+        self.decode_queue.set(float("nan"))
+        self.decode_queue_sheds = Counter(
+            "pd_extproc_decode_queue_sheds",
+            "P/D requests refused because the decode worker's queue was over the limit.", ["adapter"],
+            registry=self.registry)
+        self.decode_queue_failures = Counter(
+            "pd_extproc_decode_queue_scrape_failures",
+            "Readings of the decode worker's queue gauges that gave no value, by reason.", ["reason"],
+            registry=self.registry)
+        self.request_bytes = Histogram(
+            "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
+            buckets=_SIZE_BUCKETS, registry=self.registry)
+        self.prefill_response_bytes = Histogram(
+            "pd_extproc_prefill_response_bytes", "Prefill response body sizes.", ["adapter"],
+            buckets=_SIZE_BUCKETS, registry=self.registry)
+
+    def finish(self, record: RequestRecord, total_seconds: float) -> None:
+        adapter = record.adapter
+        self.requests.labels(adapter, record.outcome).inc()
+        if record.prefill.connect_seconds is not None:
+            self.prefill_seconds.labels(adapter, "connect").observe(record.prefill.connect_seconds)
+        if record.prefill.response_seconds is not None:
+            self.prefill_seconds.labels(adapter, "response").observe(record.prefill.response_seconds)
+        if record.prefill.total_seconds is not None:
+            self.prefill_seconds.labels(adapter, "total").observe(record.prefill.total_seconds)
+        self.processing_seconds.labels(adapter).observe(max(0.0, total_seconds - (record.prefill.total_seconds or 0.0)))
+        if record.handoff_problem is not None:
+            self.handoff_failures.labels(adapter, record.handoff_problem).inc()
+        if record.body_bytes is not None:
+            self.request_bytes.labels(adapter).observe(record.body_bytes)
+        if record.prefill.response_bytes is not None:
+            self.prefill_response_bytes.labels(adapter).observe(record.prefill.response_bytes)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

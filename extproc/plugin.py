@@ -1,0 +1,110 @@
+"""The engine author's API: everything an engine's module needs from pd-extproc, and nothing else.
+
+An engine outside this package (a ``pd_extproc.engines`` entry point naming an ``Engine``) imports from
+here only, so the package's own layout can change without breaking it. Its emulator, if it has one,
+imports from ``pd_extproc_lab.plugin``. tests/plugin_engine/toy_engine.py is a whole engine written
+against these two modules.
+"""
+
+from __future__ import annotations
+
+from extproc.adapters.base import (
+    AnswerDirectly,
+    ConcurrentAdapter,
+    ConcurrentPlan,
+    Decision,
+    DecodeAbort,
+    DecodeWith,
+    Demo,
+    Engine,
+    Flow,
+    Options,
+    PlanInput,
+    QueueGauges,
+    SequentialAdapter,
+    ServerInfo,
+)
+from extproc.adapters.prefill_json import parse_prefill_object, upstream_status_error
+from extproc.core import jsonspan
+from extproc.core.fields import (
+    FieldRule,
+    FieldRules,
+    ReservedField,
+    equals,
+    handoff_error,
+    int_at_least,
+    is_int,
+    is_port,
+    list_of,
+    non_empty_str,
+    null_or,
+    set_members,
+)
+from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.errors import Code, PdError, Problem
+from extproc.settings_spec import (
+    SecretFileError,
+    SettingSpec,
+    choice,
+    existing_file,
+    non_negative_int,
+    parse_bool,
+    positive_duration,
+    positive_int,
+    positive_size,
+    read_secret_file,
+    read_token_file,
+    text_value,
+)
+from extproc.upstream.transport import WorkerAddress, WorkerReply
+
+__all__ = [
+    "AnswerDirectly",
+    "ClientRequest",
+    "Code",
+    "ConcurrentAdapter",
+    "ConcurrentPlan",
+    "Decision",
+    "DecodeAbort",
+    "DecodeWith",
+    "Demo",
+    "Endpoint",
+    "Engine",
+    "FieldRule",
+    "FieldRules",
+    "Flow",
+    "Options",
+    "PdError",
+    "PlanInput",
+    "Problem",
+    "QueueGauges",
+    "ReservedField",
+    "SecretFileError",
+    "SequentialAdapter",
+    "ServerInfo",
+    "SettingSpec",
+    "WorkerAddress",
+    "WorkerReply",
+    "choice",
+    "equals",
+    "existing_file",
+    "handoff_error",
+    "int_at_least",
+    "is_int",
+    "is_port",
+    "jsonspan",
+    "list_of",
+    "non_empty_str",
+    "non_negative_int",
+    "null_or",
+    "parse_bool",
+    "parse_prefill_object",
+    "positive_duration",
+    "positive_int",
+    "positive_size",
+    "read_secret_file",
+    "read_token_file",
+    "set_members",
+    "text_value",
+    "upstream_status_error",
+]

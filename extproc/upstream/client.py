@@ -1,0 +1,242 @@
+"""The prefill HTTP client: target resolution under the policy, pooled connections, bounded reads,
+one deadline, and failures classified once.
+
+This is the only module that talks to prefill workers. Every failure becomes a PdError here:
+  * the target is outside the prefill policy                             -> prefill_target_forbidden
+  * nothing answered in time (connect, a read gap, or the total deadline) -> prefill_upstream_timeout
+  * no address, or the connection failed or broke before a response head -> prefill_upstream_unavailable
+  * the connection broke after the head, mid-body                        -> prefill_response_truncated
+  * the body exceeds the cap (Content-Length, or while reading)          -> prefill_response_too_large
+A non-200 status is returned without reading its body: it is never relayed (the connection is then
+closed, not reused). The exception -> code table is ``classify`` (pure; unit-tested row by row).
+
+A host name is resolved here, once per request, and we connect to the address that was checked, so
+a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/upstream/http1.py on
+an asyncio Protocol, with a keep-alive pool per (address, port, TLS name): no proxies, no redirects,
+no decompression, no cookies. It replaced aiohttp, which replaced httpx; each was measured on the same
+worker (README, "Design notes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from extproc.core.prefill_policy import PrefillPolicy, first_allowed
+from extproc.errors import Code, PdError
+from extproc.upstream import http1
+from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
+
+# An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
+# (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in
+# srt/environ.py, uvicorn's default), so we do not send a request into a connection the worker is
+# closing. A POST that met such a close is never retried: the prefill may have run.
+KEEPALIVE_SECONDS = 4.0
+
+
+class Phase(Enum):
+    HEAD = "head"  # connecting, sending, waiting for the response head
+    BODY = "body"  # reading the response body
+
+
+def classify(exc: BaseException, phase: Phase) -> Code:
+    """The error code of a transport failure: a timeout (connect, read gap, or any TimeoutError) is a
+    timeout in either phase; any other failure is "unavailable" before the response head and
+    "truncated" after it."""
+    if isinstance(exc, TimeoutError):
+        return Code.PREFILL_UPSTREAM_TIMEOUT
+    return Code.PREFILL_UPSTREAM_UNAVAILABLE if phase is Phase.HEAD else Code.PREFILL_RESPONSE_TRUNCATED
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLimits:
+    connect_timeout: float
+    read_timeout: float
+    deadline: float
+    max_response_bytes: int
+    max_connections: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTls:
+    context: ssl.SSLContext
+    server_name: str  # "" = the target's own host
+
+
+def tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A verifying client context: the CA bundle (or the system's), and a client certificate for mTLS."""
+    context = ssl.create_default_context(cafile=ca_file or None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file or None)
+    return context
+
+
+_PoolKey = tuple[str, int, str | None]  # (address, port, TLS server name or None)
+
+
+def _reusable(connection: http1.Connection, now: float) -> bool:
+    return connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS
+
+
+class WorkerClient:
+    """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
+
+    def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None) -> None:
+        self._limits = limits
+        self._policy = policy
+        self._tls = tls
+        self._idle: dict[_PoolKey, list[http1.Connection]] = {}
+        self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
+        self._swept = time.monotonic()
+        self._open = True
+
+    async def aclose(self) -> None:
+        self._open = False
+        for connections in self._idle.values():
+            for connection in connections:
+                connection.close()
+        self._idle.clear()
+
+    def idle_connections(self) -> int:
+        return sum(len(connections) for connections in self._idle.values())
+
+    async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
+        """The address to connect to, checked against the policy. No connection is made here."""
+        if target.ip is not None:
+            if not self._policy.allows_address(target.ip, target.port):
+                raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
+            return ResolvedTarget(target, target.ip)
+        name_allowed = self._policy.allows_name(target.host, target.port)
+        try:
+            async with asyncio.timeout(self._limits.connect_timeout):
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    target.host, target.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        except TimeoutError:
+            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
+        except OSError:
+            raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
+        addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+        chosen = first_allowed(self._policy, addresses, target.port, name_allowed)
+        if chosen is None:
+            raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
+        return ResolvedTarget(target, chosen, tls=self._tls is not None)
+
+    async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
+                   timings: ExchangeTimings | None = None, bounds: Bounds | None = None) -> WorkerReply:
+        """POST ``body`` to the resolved target under the total deadline; see the module docstring."""
+        return await self._bounded("POST", target, path, headers, body, timings, bounds)
+
+    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> WorkerReply:
+        return await self._bounded("GET", target, path, headers, None, None, None)
+
+    async def _bounded(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
+                       body: bytes | None, timings: ExchangeTimings | None, bounds: Bounds | None) -> WorkerReply:
+        started = time.perf_counter()
+        deadline = bounds.deadline if bounds is not None else self._limits.deadline
+        gap = bounds.read_timeout if bounds is not None else self._limits.read_timeout
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._limits.max_connections)
+        try:
+            async with asyncio.timeout(deadline), self._slots:
+                return await self._exchange(method, target, path, headers, body, timings, started, gap)
+        except TimeoutError:
+            raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
+        finally:
+            if timings is not None:
+                timings.total_seconds = time.perf_counter() - started
+
+    async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
+                        body: bytes | None, timings: ExchangeTimings | None, started: float,
+                        gap: float) -> WorkerReply:
+        tls = self._tls if target.tls else None
+        server_name = (tls.server_name or target.target.host) if tls else None
+        key = (str(target.ip), target.target.port, server_name)
+        # The client's path and query go out exactly as received (no re-quoting of %2F).
+        request = http1.encode_request(method, path, target.target.authority, headers, body)
+        connection = self._pooled(key)
+        try:
+            if connection is None:
+                connection = await self._connect(key, tls, timings)
+            assert connection.transport is not None
+            try:
+                connection.transport.write(request)
+            except (OSError, RuntimeError):  # uvloop raises RuntimeError on a transport already closed
+                raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
+            try:
+                head = await connection.read_head(gap)
+            except OSError as exc:  # http1's errors, a reset: nothing usable before the head
+                raise PdError(classify(exc, Phase.HEAD)) from None
+            if timings is not None:
+                timings.response_seconds = time.perf_counter() - started
+                timings.status = head.status
+            content_type = head.get("content-type")
+            if head.status != 200:
+                return WorkerReply(head.status, content_type, b"")
+            try:
+                body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
+            except http1.BodyTooLarge:
+                raise PdError(Code.PREFILL_RESPONSE_TOO_LARGE) from None
+            except OSError as exc:
+                raise PdError(classify(exc, Phase.BODY)) from None
+            if timings is not None:
+                timings.response_bytes = len(body_read)
+            if connection.reusable and self._open:
+                connection.idle_since = now = time.monotonic()
+                self._idle.setdefault(key, []).append(connection)
+                connection = None
+                if now - self._swept >= KEEPALIVE_SECONDS:
+                    self._sweep(now)
+            return WorkerReply(200, content_type, body_read)
+        finally:
+            if connection is not None:  # anything but a complete, reusable exchange: never reused
+                connection.close()
+
+    def _pooled(self, key: _PoolKey) -> http1.Connection | None:
+        """The most recently used idle connection to ``key`` that is still open and fresh."""
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if _reusable(connection, now):
+                return connection
+            connection.close()
+        return None
+
+    def _sweep(self, now: float) -> None:
+        """Close every idle connection that can no longer be reused, and forget workers with none left:
+        a prefill pod that went away without closing its connections must not keep them open for ever."""
+        self._swept = now
+        for key in list(self._idle):
+            kept = []
+            for connection in self._idle[key]:
+                if _reusable(connection, now):
+                    kept.append(connection)
+                else:
+                    connection.close()
+            if kept:
+                self._idle[key] = kept
+            else:
+                del self._idle[key]
+
+    async def _connect(self, key: _PoolKey, tls: WorkerTls | None, timings: ExchangeTimings | None) -> http1.Connection:
+        host, port, server_name = key
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._limits.connect_timeout):
+                _, connection = await loop.create_connection(
+                    http1.Connection, host, port, ssl=tls.context if tls else None, server_hostname=server_name)
+        except TimeoutError:
+            raise PdError(classify(http1.ConnectTimeout(), Phase.HEAD)) from None
+        except OSError as exc:  # refused, unreachable, TLS handshake or certificate failures
+            raise PdError(classify(exc, Phase.HEAD)) from None
+        if timings is not None:
+            timings.connect_seconds = time.perf_counter() - started
+        return connection
