@@ -387,6 +387,8 @@ class Soak:
                 "rss_mib_per_hour": _mib(checks.slope_per_hour([(s.at, s.rss) for s in points])),
                 "loop_tasks_per_hour": checks.slope_per_hour([(s.at, s.loop_tasks) for s in points]),
                 "idle_pool_per_hour": checks.slope_per_hour([(s.at, s.idle_pool) for s in points]),
+                # After the first three rests (imports, pools and caches filled): what growth remains.
+                "rss_mib_per_hour_warm": _mib(checks.slope_per_hour([(s.at, s.rss) for s in points[3:]])),
                 "rss_mib_first": round(points[0].rss / 2**20, 1), "rss_mib_last": round(points[-1].rss / 2**20, 1),
             }
 

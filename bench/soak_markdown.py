@@ -40,10 +40,11 @@ def render(data: dict[str, Any]) -> str:
                   f"{ledger.get('pulled', 0):,} pulled by decode for the same request; not pulled (freed by the "
                   f"engine's lease or abort), by the client's answer: {unpulled or 'none'}; "
                   f"{ledger.get('unverifiable', 0)} decode pulls whose grant died with a killed prefill worker.",
-              "", "| server incarnation | fds (minus pooled) / h | RSS MiB / h | RSS first → last (MiB) | "
-                  "event-loop tasks / h | idle pooled connections / h |", "|---|---|---|---|---|---|"]
+              "", "| server process | fds (minus pooled) / h | RSS MiB / h | after 3 rests | RSS first → last (MiB) | "
+                  "event-loop tasks / h | idle pooled connections / h |", "|---|---|---|---|---|---|---|"]
     for name, slope in data["slopes"].items():
         lines.append(f"| {name} | {_n(slope['fds_per_hour'])} | {_n(slope['rss_mib_per_hour'])} | "
+                     f"{_n(slope.get('rss_mib_per_hour_warm'))} | "
                      f"{slope['rss_mib_first']} → {slope['rss_mib_last']} | {_n(slope['loop_tasks_per_hour'])} | "
                      f"{_n(slope['idle_pool_per_hour'])} |")
     checks = data["counter_checks"]
