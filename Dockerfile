@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # pd-extproc in one image: the Envoy ext_proc server for disaggregated prefill/decode, the Envoy it
 # serves, and the emulated engines of the test suite (envoy/docker-compose.yaml uses all three):
 #   pd-extproc serve                the ext_proc server (the default command)
@@ -15,6 +14,10 @@
 #                 Without a registry, `make base-image` makes one from Debian's packages.
 #   WHEELS        index (default): install from the package index; wheelhouse: install only from
 #                 the wheels in wheelhouse/ (`make wheelhouse`), with no network during the build.
+#
+# Builds offline with BuildKit (Docker's default), Docker's classic builder and podman alike: no
+# `# syntax=` line (BuildKit would fetch that frontend image from Docker Hub; its built-in frontend
+# builds this file) and nothing else that needs a registry (deploy/dockerfile_lint.py checks).
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 # Build stage: resolve and install the exact pins into virtualenvs. Every dependency ships a

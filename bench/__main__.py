@@ -20,6 +20,7 @@ from pd_extproc_lab.process import StackError
 BENCH_DIR = REPO / "bench"
 QUICK = {"rounds": 1, "seconds": 1, "warmup_seconds": 1, "large_body_rounds": 1, "large_body_requests": 1,
          "inflight_requests": 200, "inflight_delay": 2.0, "profile_seconds": 3, "quiet_max_wait": 5.0,
+         "stage_requests": 300, "stage_repeats": 1,
          "beside_seconds": 4}
 
 

@@ -1,4 +1,4 @@
-"""Prefill HTTP client candidates, priced alone (a side experiment; README "Design notes" records it).
+"""Prefill HTTP client candidates, priced alone (a side experiment; docs/decisions.md records it).
 
 One cheap prefill worker (bench/cheap_worker.py), one client process on uvloop sending sequential
 POSTs of the benchmark's prefill-sized body on one keep-alive connection; per candidate and round,

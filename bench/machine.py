@@ -113,6 +113,6 @@ def describe(envoy: str, vllm_router_python: str, repo: Path) -> dict[str, str]:
         "wrk": _first_line(["wrk", "--version"]).split(" [")[0],
         "vllm-router": _first_line([vllm_router_python, "-c",
                                     "import importlib.metadata as m; print(m.version('vllm-router'))"]),
-        "sglang-router": _first_line([vllm_router_python, "-c",
-                                      "import importlib.metadata as m; print(m.version('sglang-router'))"]),
+        "smg": _first_line([vllm_router_python, "-c", "import importlib.metadata as m; print(m.version('smg'))"]),
+        "grpc++ (floor-cxx)": _first_line(["dpkg-query", "-W", "-f", "${Version}", "libgrpc++-dev"]),
     }

@@ -10,12 +10,12 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router",
-                "sglang-router")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc",
+                "pd-extproc-x2", "vllm-router", "smg")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
-    "cheap-sglang": "Cheap SGLang-shaped workers: pd-extproc's sglang adapter vs sglang-router",
+    "cheap-sglang": "Cheap SGLang-shaped workers: pd-extproc's sglang adapter vs smg",
     "emulated": "Emulated vLLM workers with a KV ledger (proves every handoff was consumed; the workers cost "
                 "about as much as the proxies)",
 }
@@ -33,14 +33,20 @@ SYSTEM_DESCRIPTIONS = {
     "direct-prefill": "client -> the set's prefill worker, max_tokens 16, no KV params (reference: the prefill "
                       "worker's own cost, non-streaming only)",
     "envoy": "client -> plain Envoy (router filter only) -> decode (\"Envoy alone\")",
-    "passthrough": "client -> our Envoy bootstrap (render_yaml), no x-prefiller-host-port -> decode",
+    "passthrough": "client -> our Envoy bootstrap (render_yaml, the client guard on), no x-prefiller-host-port "
+                   "-> decode",
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
     "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "
                      "both Unix sockets as endpoints, round robin per stream; cheap workers only)",
+    "floor-cxx": "client -> our Envoy bootstrap (route pd, x-prefiller-host-port set) + a compiled ext_proc server "
+                 "that does nothing (bench/floor/ext_proc_floor.cc, grpc++ callback API): continue on the headers, "
+                 "the same body back with its content-length -> decode (the design's floor; cheap workers only)",
+    "floor-aio": "the same with a grpc.aio servicer that does nothing (bench/floor/aio.py: our grpcio, uvloop, "
+                 "server options and Unix socket): our transport's floor",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
-    "sglang-router": "client -> sglang-router 0.3.2 `launch --pd-disaggregation --log-level warn` -> prefill and "
-                     "decode at once, with bootstrap fields (cheap-sglang workers only)",
+    "smg": "client -> smg 1.13 (Shepherd Model Gateway, which replaced sglang-router) `launch --pd-disaggregation "
+           "--log-level warn` -> prefill and decode at once, with bootstrap fields (cheap-sglang workers only)",
 }
 
 
@@ -160,7 +166,34 @@ def validity(summary: dict[str, Any]) -> list[str]:
 
 def targets(summary: dict[str, Any]) -> list[str]:
     rows = [[v["target"], v["measured"], "met" if v["met"] else "**missed**", v["by"]] for v in summary["verdicts"]]
-    return ["## Targets (issue 17, item 3)", "", *_table(["target", "measured", "verdict", "margin"], rows), ""]
+    return ["## Targets (issue 28, item 3: the first four rows; then issue 17's)", "",
+            *_table(["target", "measured", "verdict", "margin"], rows), ""]
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def floors(summary: dict[str, Any]) -> list[str]:
+    """Our server against its two floors and the peer, per point of the cheap set."""
+    found = summary.get("floors") or []
+    if not found:
+        return []
+    rows = [[r["body"], str(r["concurrency"]), _number(r["server_us"]), _number(r["floor_aio_server_us"]),
+             f"**{_number(r['own_work_us'])}**", _x(r["server_over_aio"]), _number(r["floor_cxx_server_us"]),
+             _number(r["total_us"]), _number(r["floor_cxx_total_us"]), _x(r["total_over_cxx"]),
+             _number(r.get("peer_total_us")), _x(r.get("total_over_peer")), _x(r["rps_over_cxx"]),
+             _x(r.get("rps_over_peer")), _ms(r["added_p50_ms"]), _ms(r["floor_aio_added_p50_ms"]),
+             _ms(r["floor_cxx_added_p50_ms"])] for r in found]
+    return ["## Our own work above the floors (cheap workers)", "",
+            "CPU µs per request. \"Our own work\" = `pd-extproc`'s server CPU minus `floor-aio`'s (the same grpc.aio "
+            "transport doing nothing, behind the same Envoy shape, in the same run): what our Python does per P/D "
+            "request. \"Total\" = server + the Envoy in front of it (for vllm-router: its one process). The floors "
+            "run no prefill leg, so the difference also holds the prefill client's CPU.", "",
+            *_table(["mode", "c", "server", "floor-aio server", "our own work", "server / floor-aio",
+                     "floor-cxx server", "total", "floor-cxx total", "total / floor-cxx", "vllm-router",
+                     "total / vllm-router", "req/s / floor-cxx", "req/s / vllm-router", "added p50 ms",
+                     "floor-aio added p50", "floor-cxx added p50"], rows), ""]
 
 
 def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str]:
@@ -171,11 +204,20 @@ def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str
     return lines
 
 
+# The SGLang-side peer before smg replaced it, from `make bench` at c206eb2 (2026-12-01, AMD EPYC, 2 cores).
+SGLANG_ROUTER_HISTORY = (
+    "History: sglang-router 0.3.2, the peer here until smg 1.13 replaced it, measured by `make bench` at c206eb2 "
+    "on an AMD EPYC with 2 cores: non-stream added p50 at c=1 0.33 ms, 3,974 req/s at c=64, 341 µs CPU per "
+    "request at c=64; stream added p50 at c=1 43.93 ms (it held every streamed response for ~43 ms), 1,445 req/s "
+    "at c=64. pd-extproc in the same run: non-stream 2.72 ms, 604 req/s, 1,812 µs + Envoy 830 µs.")
+
+
 def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> list[str]:
     cells = _ordered(_of_set(summary["latency"], workers))
     headline = workers == "cheap"
-    lines = [f"## {SET_TITLES[workers]}", "", f"### Added latency over direct decode, p50 / p99 (ms), {workers}", "",
-             NOISE_NOTE, ""]
+    lines = [f"## {SET_TITLES[workers]}", "",
+             *([SGLANG_ROUTER_HISTORY, ""] if workers == "cheap-sglang" else []),
+             f"### Added latency over direct decode, p50 / p99 (ms), {workers}", "", NOISE_NOTE, ""]
     columns = ["system", *[f"c={level}" for level in levels]]
     for body in ("non-stream", "stream"):
         systems = [s for s in SYSTEM_ORDER if s != "direct"]
@@ -193,7 +235,7 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
+    proxies = ("envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
@@ -381,9 +423,28 @@ def profile(results: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def stage_budget(results: dict[str, Any]) -> list[str]:
+    data = results.get("stages") or {}
+    if not data:
+        return []
+    from bench.stages import StageResult, table
+    result = StageResult(**data)
+    return ["## Our server's CPU per P/D request, stage by stage (bench/stages.py)", "",
+            f"Measured in the benchmark's own process after the latency rounds: our servicer, processor, vllm_nixl "
+            f"adapter and prefill client built from Settings as `pd-extproc serve` builds them, fed the two ext_proc "
+            f"messages of a non-streaming P/D request as bytes (no gRPC), {result.requests} requests one at a time "
+            f"against the cheap prefill worker, {len(result.repeats)} runs (the median shown; totals "
+            + ", ".join(f"{v:.0f}" for v in result.repeats) + " µs). CPU is the thread's clock around each stage, "
+            "excluding stages nested in it; \"stream loop and glue\" is the total minus every stage. Not included: "
+            "grpc.aio's own work per message (see floor-aio above). Tracing off. The timing itself costs about "
+            f"{result.instrumentation_us:.0f} µs per request, spread over the stages and the glue.", "",
+            *_table(["stage", "CPU µs/request", "share", "wall µs/request", "calls/request"], table(result)), ""]
+
+
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
-    lines = [*header(results, command), *validity(summary), *targets(summary),
+    lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
-             *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary)]
+             *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
+             *stage_budget(results)]
     return "\n".join(lines) + "\n"

@@ -19,10 +19,12 @@ import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
 SYSTEMS = {  # name -> (label, colour, marker)
     "envoy": ("Envoy alone", "tab:gray", "s"),
     "passthrough": ("our Envoy, passthrough", "tab:blue", "o"),
+    "floor-cxx": ("our Envoy + a compiled do-nothing ext_proc (the design's floor)", "black", "."),
+    "floor-aio": ("our Envoy + a grpc.aio do-nothing ext_proc (our transport's floor)", "tab:brown", "."),
     "pd-extproc": ("pd-extproc P/D", "tab:red", "D"),
     "pd-extproc-x2": ("pd-extproc P/D, 2 server processes", "tab:orange", "d"),
     "vllm-router": ("vllm-router 0.1.17 P/D", "tab:green", "^"),
-    "sglang-router": ("sglang-router 0.3.2 P/D (SGLang-shaped workers)", "tab:purple", "v"),
+    "smg": ("smg 1.13 P/D (SGLang-shaped workers)", "tab:purple", "v"),
     "direct-prefill": ("direct prefill (reference)", "tab:olive", "x"),
 }
 PANELS = (("non-stream", "added_p50_ms", "p50"), ("stream", "added_p50_ms", "p50"),
@@ -30,9 +32,9 @@ PANELS = (("non-stream", "added_p50_ms", "p50"), ("stream", "added_p50_ms", "p50
 
 
 def _series(cells: list[dict[str, Any]], system: str, body: str, key: str) -> tuple[list[int], list[float]]:
-    """The cheap workers' cells (sglang-router and pd-extproc's sglang adapter run on the cheap-sglang set;
-    only sglang-router is drawn from it)."""
-    workers = "cheap-sglang" if system == "sglang-router" else "cheap"
+    """The cheap workers' cells (smg and pd-extproc's sglang adapter run on the cheap-sglang set; only smg is
+    drawn from it)."""
+    workers = "cheap-sglang" if system == "smg" else "cheap"
     chosen = sorted((c for c in cells if c["system"] == system and c["body"] == body and c[key] is not None
                      and c.get("workers", "emulated") == workers), key=lambda c: c["concurrency"])
     return [c["concurrency"] for c in chosen], [c[key] for c in chosen]

@@ -23,8 +23,13 @@ MIB = 1 << 20
 TARGET_RSS_PER_REQUEST = 64 * KIB
 TARGET_PASSTHROUGH_TOLERANCE = 0.05
 TARGET_SERVER_CPU_US = 500.0  # our server's CPU per P/D request at c=64 (issue 17)
+TARGET_OWN_WORK_US = 250.0  # our server's CPU above the grpc.aio floor's, per P/D request at c=64 (issue 28)
+TARGET_OVER_AIO_FLOOR = 1.6  # our server's CPU per P/D request / the grpc.aio floor's, at c=64 (issue 28)
+TARGET_ADDED_P50_MS = 1.5  # P/D added p50 at c=1 (issue 28)
+TARGET_THROUGHPUT_VS_ROUTER = 0.4  # P/D throughput at c=64 / vllm-router's (issue 28)
+FLOOR_AIO, FLOOR_CXX = "floor-aio", "floor-cxx"
 VALIDITY_FACTOR = 5.0
-PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
+PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
 HEADLINE = "cheap"
 
 
@@ -167,6 +172,72 @@ def target_server_cpu(table: list[Cell], body: str = "non-stream") -> Verdict | 
     )
 
 
+def _server_cpu(cell: Cell) -> float:
+    """The ext_proc server's (or router's) own CPU per request: every role but Envoy."""
+    return sum(us for role, us in cell.cpu_us_per_request.items() if role != "envoy")
+
+
+def _total_cpu(cell: Cell) -> float:
+    return sum(cell.cpu_us_per_request.values())
+
+
+def floors(table: list[Cell], workers: str = HEADLINE) -> list[dict[str, Any]]:
+    """Per (mode, concurrency) of the cheap set: our server against the two floors and the peer.
+
+    "Our own work" is our server's CPU per P/D request minus the grpc.aio floor's (the same transport doing
+    nothing); totals are server + its Envoy, against the compiled floor's server + its Envoy and the peer
+    router's one process."""
+    rows = []
+    for ours in (c for c in table if c.workers == workers and c.system == "pd-extproc"):
+        aio, cxx = (find(table, name, ours.body, ours.concurrency, workers) for name in (FLOOR_AIO, FLOOR_CXX))
+        peer = find(table, "vllm-router", ours.body, ours.concurrency, workers)
+        if aio is None or cxx is None:
+            continue
+        server, total = _server_cpu(ours), _total_cpu(ours)
+        row: dict[str, Any] = {
+            "body": ours.body, "concurrency": ours.concurrency,
+            "server_us": server, "floor_aio_server_us": _server_cpu(aio), "own_work_us": server - _server_cpu(aio),
+            "floor_cxx_server_us": _server_cpu(cxx), "total_us": total, "floor_cxx_total_us": _total_cpu(cxx),
+            "total_over_cxx": _ratio(total, _total_cpu(cxx)), "server_over_aio": _ratio(server, _server_cpu(aio)),
+            "rps_over_cxx": _ratio(ours.rps, cxx.rps), "added_p50_ms": ours.added_p50_ms,
+            "floor_cxx_added_p50_ms": cxx.added_p50_ms, "floor_aio_added_p50_ms": aio.added_p50_ms,
+        }
+        if peer is not None:
+            row.update(peer_total_us=_total_cpu(peer), total_over_peer=_ratio(total, _total_cpu(peer)),
+                       rps_over_peer=_ratio(ours.rps, peer.rps))
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["body"], r["concurrency"]))
+
+
+def targets_issue28(table: list[Cell]) -> list[Verdict]:
+    """Issue 28's targets on the cheap vLLM set, non-streaming, ratios within this run."""
+    found: list[Verdict] = []
+    ours = find(table, "pd-extproc", "non-stream", 64)
+    aio = find(table, FLOOR_AIO, "non-stream", 64)
+    if ours is not None and aio is not None:
+        own = _server_cpu(ours) - _server_cpu(aio)
+        met = own <= TARGET_OWN_WORK_US
+        found.append(Verdict(
+            f"our own work per P/D request at c=64 (server CPU above the grpc.aio floor's) "
+            f"<= {TARGET_OWN_WORK_US:.0f} µs",
+            f"pd-extproc {_server_cpu(ours):.0f} µs - floor-aio {_server_cpu(aio):.0f} µs = {own:.0f} µs",
+            met, "met" if met else f"{own - TARGET_OWN_WORK_US:+.0f} µs over"))
+        ratio = _ratio(_server_cpu(ours), _server_cpu(aio))
+        met = ratio <= TARGET_OVER_AIO_FLOOR
+        found.append(Verdict(
+            f"server CPU per P/D request at c=64 <= {TARGET_OVER_AIO_FLOOR:g}x the grpc.aio floor's",
+            f"ratio {ratio:.2f}", met, "met" if met else f"ratio {ratio:.2f} for {TARGET_OVER_AIO_FLOOR:g}"))
+    one = find(table, "pd-extproc", "non-stream", 1)
+    if one is not None and one.added_p50_ms is not None:
+        met = one.added_p50_ms <= TARGET_ADDED_P50_MS
+        found.append(Verdict(f"P/D added p50 at c=1 <= {TARGET_ADDED_P50_MS:g} ms", f"{one.added_p50_ms:.3f} ms",
+                             met, "met" if met else f"{one.added_p50_ms - TARGET_ADDED_P50_MS:+.3f} ms over"))
+    throughput = target_throughput(table, "non-stream", factor=TARGET_THROUGHPUT_VS_ROUTER)
+    if throughput is not None:
+        found.append(throughput)
+    return found
+
+
 def validity(table: list[Cell]) -> list[dict[str, Any]]:
     """Per cheap worker set: direct decode's throughput over the fastest P/D proxy's, at every point."""
     checks = []
@@ -232,16 +303,16 @@ def target_rss(inflight: list[dict[str, Any]]) -> Verdict | None:
 
 
 def verdicts(table: list[Cell], inflight: list[dict[str, Any]]) -> list[Verdict]:
-    """Issue 17's targets, in its order: each "first" step, then the final one."""
-    found = [target_server_cpu(table)]
+    """Issue 28's targets, then issue 17's in its order: each "first" step, then the final one."""
+    found: list[Verdict | None] = [*targets_issue28(table), target_server_cpu(table)]
     for body in ("non-stream", "stream"):
         found += [target_latency(table, body, factor=2.0), target_latency(table, body)]
     for body in ("non-stream", "stream"):
         found += [target_throughput(table, body, factor=0.45), target_throughput(table, body)]
     found += [target_passthrough(table)]
     for body in ("non-stream", "stream"):
-        found += [target_latency(table, body, "sglang-router", workers="cheap-sglang"),
-                  target_throughput(table, body, "sglang-router", workers="cheap-sglang")]
+        found += [target_latency(table, body, "smg", workers="cheap-sglang"),
+                  target_throughput(table, body, "smg", workers="cheap-sglang")]
     found += [target_rss(inflight)]
     return [v for v in found if v is not None]
 
@@ -254,5 +325,6 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "large_body": [asdict(c) for c in cells(results["points"], "large-body")],
         "profile_run": [asdict(c) for c in cells(results["points"], "profile")],
         "verdicts": [asdict(v) for v in verdicts(latency, results["inflight"])],
+        "floors": floors(latency),
         "validity": validity(latency),
     }

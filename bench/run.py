@@ -10,7 +10,8 @@ Order of phases:
   3. the load generator's own ceiling (plain Envoy answering by itself);
   4. warm-up, then ROUNDS rounds; each round walks concurrency levels and modes and, at each, runs
      every system once, in an order rotated by round;
-  5. a py-spy profile of our server under P/D load;
+  5. a py-spy profile of our server under P/D load, and the per-stage CPU of one P/D request measured
+     in-process against the cheap prefill worker (bench/stages.py);
   6. the 20 MiB body, at concurrency 1, a fixed number of requests per system and round;
   7. one 20 MiB request sent in the middle of a run of small P/D requests (what it does to them).
 A point measured while other processes used more than NOISE_THRESHOLD of the machine is measured
@@ -30,14 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, verify, wrk
+from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, stages, verify, wrk
 from bench.envoy_plain import CEILING_PATH
 from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, chat_body, write_bodies
 from pd_extproc_lab.emulator.worker import EmulatedWorker
 
-LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "pd-extproc-x2", "vllm-router", "sglang-router")
+LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2",
+                   "vllm-router", "smg")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
 LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
@@ -68,6 +70,8 @@ class Options:
     profile_seconds: int = 8
     beside_seconds: int = 8
     profile_concurrency: int = 16
+    stage_requests: int = 2000
+    stage_repeats: int = 5
     py_spy: str = ""
     quiet_max_wait: float = 300.0
 
@@ -84,6 +88,7 @@ class Run:
     ceiling: list[dict[str, Any]] = field(default_factory=list)
     points: list[dict[str, Any]] = field(default_factory=list)
     profile: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)  # bench/stages.py's StageResult
     envoy_outcomes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     quiet_wait: dict[str, float] = field(default_factory=dict)
     idle_rss: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -260,6 +265,15 @@ class Bench:
             self._log_point(point)
             self.log(f"  the 20 MiB request beside it took {point['large_request_ms']:.0f} ms")
 
+    def stage_budget(self, run: Run) -> None:
+        """Our server's CPU per P/D request, stage by stage (bench/stages.py), in this process."""
+        prefill = self.fleet.sets[HEADLINE].prefill
+        prefill.reset()
+        result = stages.measure(prefill.url, self.options.stage_requests, repeats=self.options.stage_repeats)
+        run.stages = dataclasses.asdict(result)
+        self.log(f"stages: {result.total_cpu_us:.0f} µs CPU per P/D request in-process, prefill leg "
+                 f"{result.cpu_us['prefill leg']:.0f}")
+
     def profile_server(self, run: Run) -> None:
         system = self.fleet.sets[HEADLINE].systems["pd-extproc"]
         if not self.options.py_spy:
@@ -348,6 +362,7 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
         bench.latency_rounds(run)
         if HEADLINE in fleet.sets:
             bench.profile_server(run)  # before any 20 MiB request: see large_body_beside_small
+            bench.stage_budget(run)
         if slow:
             bench.large_body_rounds(run)
             bench.large_body_beside_small(run)

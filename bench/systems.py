@@ -3,19 +3,23 @@
 The fleet is three worker sets, each a prefill and a decode worker shared by the systems in front of it:
 
   cheap          cheap vLLM-shaped workers (bench/cheap_worker.py): the headline table
-  cheap-sglang   cheap SGLang-shaped workers: pd-extproc's sglang adapter against sglang-router
+  cheap-sglang   cheap SGLang-shaped workers: pd-extproc's sglang adapter against smg
   emulated       emulated vLLM workers with a KV ledger (pd_extproc_lab/emulator): proves every handoff is consumed
 
 and the systems of a set:
   direct            the client talks to the decode worker (the floor)
   direct-prefill    the client talks to the prefill worker (the prefill leg's own floor, reference only)
   envoy             plain Envoy, router filter only ("Envoy alone")
-  passthrough       our Envoy bootstrap (render_yaml), request without x-prefiller-host-port
+  passthrough       our Envoy bootstrap (render_yaml, with the client guard), request without x-prefiller-host-port
   pd-extproc        our Envoy bootstrap + ``pd-extproc serve``, request with x-prefiller-host-port
   pd-extproc-x2     the same with two ``pd-extproc serve`` processes, Envoy balancing streams over their
                     two Unix sockets (cheap set only: what a second core buys)
+  floor-aio         our Envoy bootstrap (route pd) + a grpc.aio ext_proc servicer that does nothing: our
+                    transport's floor (bench/floor; cheap set only)
+  floor-cxx         the same with a compiled do-nothing ext_proc server (grpc++): the design's floor
   vllm-router       vllm-router 0.1.17 in --vllm-pd-disaggregation mode
-  sglang-router     sglang-router 0.3.2 in --pd-disaggregation mode (cheap-sglang only)
+  smg               smg 1.13 (Shepherd Model Gateway, sglang-router's successor) ``launch
+                    --pd-disaggregation`` (cheap-sglang only)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +39,7 @@ import yaml
 
 from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
+from bench.workload import MODEL as WORKLOAD_MODEL
 from extproc.config import load_settings
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import EXT_PROC_CLUSTER, render_yaml
@@ -44,8 +50,9 @@ from pd_extproc_lab.stack import RunningStack, settings_env, start_stack, withou
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTER_VERSION = "0.1.17"
-SGLANG_ROUTER_VERSION = "0.3.2"
-SGLANG_BOOTSTRAP_PORT = 8998  # what sglang-router and our sglang adapter put in bootstrap_port
+SMG_VERSION = "1.13.0"
+SGLANG_BOOTSTRAP_PORT = 8998  # what smg and our sglang adapter put in bootstrap_port
+FLOOR_CXX = REPO / ".cache" / "bench-floor" / "ext_proc_floor"  # python -m bench.floor.build (make bench)
 HEADLINE = "cheap"
 WORKER_SETS = ("cheap", "cheap-sglang", "emulated")
 
@@ -66,14 +73,16 @@ class System:
 class Tools:
     envoy: str
     vllm_router: str
-    sglang_router: str
+    smg: str
+    floor_cxx: str
 
 
 def default_tools() -> Tools:
     envoy = os.environ.get("PD_EXTPROC_ENVOY_BIN") or str(REPO / ".venv-envoy" / "bin" / "envoy")
     router = os.environ.get("BENCH_VLLM_ROUTER") or str(REPO / ".venv-bench" / "bin" / "vllm-router")
-    sglang = os.environ.get("BENCH_SGLANG_ROUTER") or str(REPO / ".venv-bench" / "bin" / "sglang-router")
-    return Tools(envoy=envoy, vllm_router=router, sglang_router=sglang)
+    smg = os.environ.get("BENCH_SMG") or str(REPO / ".venv-bench" / "bin" / "smg")
+    floor = os.environ.get("BENCH_FLOOR_CXX") or str(FLOOR_CXX)
+    return Tools(envoy=envoy, vllm_router=router, smg=smg, floor_cxx=floor)
 
 
 class WorkerSet:
@@ -134,19 +143,24 @@ class Fleet:
         self._start_pd_stack(worker_set)
         if name == HEADLINE:
             self._start_two_servers(worker_set)
+            self._start_floor(worker_set, "floor-aio", [sys.executable, "-m", "bench.floor.aio"])
+            self._start_floor(worker_set, "floor-cxx", [self.tools.floor_cxx])
         if worker_set.engine == "vllm":
             self._start_router(worker_set, "vllm-router", [
                 self.tools.vllm_router, "--vllm-pd-disaggregation", "--prefill", worker_set.prefill.url,
                 "--decode", worker_set.decode.url, "--prefill-policy", "round_robin",
                 "--decode-policy", "round_robin", "--worker-startup-check-interval", "1"])
         else:
-            # --log-level warn: at its default (info) sglang-router logs two lines per request, which
-            # vllm-router does not; our server logs one.
-            self._start_router(worker_set, "sglang-router", [
-                self.tools.sglang_router, "launch", "--pd-disaggregation",
+            # --log-level warn: at its default (info) smg, like sglang-router before it, logs two lines per
+            # request, which vllm-router does not; our server logs one.
+            self._start_router(worker_set, "smg", [
+                self.tools.smg, "launch", "--pd-disaggregation",
                 "--prefill", worker_set.prefill.url, str(SGLANG_BOOTSTRAP_PORT), "--decode", worker_set.decode.url,
                 "--prefill-policy", "round_robin", "--decode-policy", "round_robin",
-                "--worker-startup-check-interval", "1", "--log-level", "warn"])
+                "--worker-startup-check-interval", "1", "--log-level", "warn",
+                # smg routes by model id: the workers serve "cheap", the benchmark's requests name the
+                # workload's model (sglang-router 0.3.2 did not look).
+                "--model-alias", f"{WORKLOAD_MODEL}=cheap"])
 
     def stop(self) -> None:
         for worker_set in self.sets.values():
@@ -245,6 +259,28 @@ class Fleet:
             "pd-extproc-x2", url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
             processes={"pd-extproc": pids[0], "pd-extproc-2": pids[1], "envoy": self._envoy_pid(name)},
             workers=worker_set.name)
+
+    def _start_floor(self, worker_set: WorkerSet, name: str, argv: list[str]) -> None:
+        """A floor server (bench/floor) on its own Unix socket behind our Envoy bootstrap, the pd stack's
+        settings: the request carries x-prefiller-host-port, so route pd runs ext_proc as for ours."""
+        assert worker_set.pd is not None
+        if not os.access(argv[0], os.X_OK):
+            raise process.StackError(f"{argv[0]} is missing: make bench builds it (python -m bench.floor.build)")
+        workdir = self._subdir(f"{worker_set.name}-{name}")
+        socket_path = workdir / "extproc.sock"
+        path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+        child = process.Child(name, [*argv, f"unix:{socket_path}"], {**os.environ, "PYTHONPATH": path}, workdir)
+        self.children.append(child)
+        child.start()
+        child.wait_ready(30)
+        assert child.process is not None
+        settings = dataclasses.replace(worker_set.pd.settings,
+                                       grpc_listen=parse_address(f"unix:{socket_path}", allow_unix=True))
+        envoy_name = f"{worker_set.name}-{name}"
+        url = self._launch_envoy(envoy_name, render_yaml(settings))
+        worker_set.systems[name] = System(
+            name, url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address},
+            processes={name: child.process.pid, "envoy": self._envoy_pid(envoy_name)}, workers=worker_set.name)
 
     def _start_router(self, worker_set: WorkerSet, name: str, argv: list[str], attempts: int = 3) -> None:
         """The routers cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""

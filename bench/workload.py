@@ -9,6 +9,7 @@ import orjson
 
 CHAT_PATH = "/v1/chat/completions"
 MAX_TOKENS = 16
+MODEL = "emulated"  # the model every request names
 LARGE_BODY_BYTES = 20 << 20
 _PROMPT = (
     "You are a helpful assistant. Summarise the following notes about disaggregated serving in three "
@@ -19,7 +20,7 @@ _PROMPT = (
 
 def chat_body(stream: bool) -> bytes:
     body: dict[str, object] = {
-        "model": "emulated",
+        "model": MODEL,
         "messages": [{"role": "user", "content": _PROMPT}],
         "max_tokens": MAX_TOKENS,
     }
@@ -32,7 +33,7 @@ def large_image_body(total_bytes: int = LARGE_BODY_BYTES) -> bytes:
     """A chat request whose one user message has a text part and a base64 PNG data URL, ``total_bytes``
     long in all (the image payload is filler bytes; no engine here decodes it)."""
     envelope = orjson.dumps({
-        "model": "emulated",
+        "model": MODEL,
         "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in this image?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}},

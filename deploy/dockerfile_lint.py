@@ -5,6 +5,11 @@ and so is every other base; the final stage runs as a non-root user, has a HEALT
 software from an earlier stage and installs nothing (no package manager, compiler or pip); ENTRYPOINT
 and CMD use the exec (JSON) form; no ADD from a URL.
 
+Nothing needs a registry when the base is a local image (an air-gapped build): no ``syntax`` parser
+directive or ``BUILDKIT_SYNTAX`` argument (BuildKit fetches that frontend image), every FROM is an
+earlier stage or a build argument (PYTHON_IMAGE, which names a local image there), and no COPY or
+RUN mount takes files from an image that is not a stage.
+
     .venv/bin/python -m deploy.dockerfile_lint [Dockerfile]
 """
 
@@ -22,6 +27,12 @@ _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 _INSTALLS = re.compile(r"\b(apt-get|apt|apk|yum|dnf|microdnf|pip3?|uv|poetry|gcc|g\+\+|cc|clang|make|"
                        r"build-essential|curl|wget)\b")
 _ROOT_USERS = {"root", "0"}
+# A parser directive, as BuildKit reads them: `# key=value` lines at the very top, up to the first line
+# that is not one (moby/buildkit frontend/dockerfile/dockerfile2llb/directives.go, ParseDirectives;
+# keys are case-insensitive). `syntax`, or the build argument BUILDKIT_SYNTAX, makes BuildKit run that
+# frontend image instead of its built-in one (frontend/dockerfile/builder/build.go, Build), pulling it.
+_DIRECTIVE = re.compile(r"^#\s*([a-zA-Z][a-zA-Z0-9]*)\s*=\s*(.+?)\s*$")
+_FROM_IMAGE = re.compile(r"(?:--|[=,])from=([^\s,]+)")  # COPY --from=, RUN --mount=...,from=
 
 
 @dataclass
@@ -68,6 +79,43 @@ def stages(text: str) -> tuple[list[Stage], dict[str, str]]:
     return result, args
 
 
+def directives(text: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        match = _DIRECTIVE.match(line)
+        if match is None:
+            break
+        found[match.group(1).lower()] = match.group(2)
+    return found
+
+
+def registry_problems(text: str) -> list[str]:
+    """What would make a build with a local base image reach a registry."""
+    out = []
+    if "syntax" in directives(text):
+        out.append(f"the `# syntax={directives(text)['syntax']}` directive makes BuildKit pull that frontend "
+                   "image from a registry: drop it (the built-in frontend builds this file)")
+    stage_names: set[str] = set()
+    for keyword, rest in instructions(text):
+        words = rest.split()
+        if keyword == "ARG" and words and words[0].split("=", 1)[0] == "BUILDKIT_SYNTAX":
+            out.append("ARG BUILDKIT_SYNTAX makes BuildKit pull a frontend image from a registry")
+        elif keyword == "FROM":
+            names = [w for w in words if not w.startswith("--")]
+            if not (names[0].startswith("$") or names[0] in stage_names or names[0] == "scratch"):
+                out.append(f"FROM {names[0]}: take the base from a build argument (such as PYTHON_IMAGE), "
+                           "so a build without a registry can name a local image")
+            if len(names) >= 3 and names[1].upper() == "AS":
+                stage_names.add(names[2])
+        elif keyword in ("COPY", "RUN"):
+            options = " ".join(w for w in words if w.startswith("--"))
+            sources = [m.group(1) for m in _FROM_IMAGE.finditer(options)]
+            images = [source for source in sources if source not in stage_names and not source.isdigit()]
+            out += [f"{keyword} {rest[:60]}: copies from the image {image}, which is not a stage (pulled from a "
+                    "registry)" for image in images]
+    return out
+
+
 def _pinned(base: str, stage_names: set[str]) -> bool:
     return base in stage_names or bool(_DIGEST.search(base) or _PINNED_TAG.search(base))
 
@@ -109,6 +157,7 @@ def problems(text: str) -> list[str]:
         for keyword, rest in stage.instructions:
             if keyword == "ADD" and re.search(r"\bhttps?://", rest):
                 out.append(f"ADD from a URL: {rest[:80]}")
+    out += registry_problems(text)
     return sorted(set(out))
 
 

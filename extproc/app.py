@@ -132,7 +132,8 @@ class ExtProcServer:
         self.processor = PdProcessor(
             adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
-            fallback=settings.prefill_fallback == "aggregated", tracing=self.tracing,
+            fallback=settings.prefill_fallback == "aggregated",
+            serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
         )
         self.metrics.admitted.set_function(lambda: self.admission.inflight)
         self.metrics.background_prefills.set_function(lambda: len(self.background))

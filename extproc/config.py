@@ -131,6 +131,15 @@ class Settings:
         "off", choice(("off", "aggregated")), "off, or aggregated: when the prefill worker is unreachable, too "
         "slow or answers 5xx, the local decode worker serves the request whole (marked x-pd-fallback: "
         "aggregated); never for request errors")
+    unsupported_variants: str = setting(
+        "refuse", choice(("refuse", "aggregated")), "refuse (400 unsupported_pd_variant), or aggregated: a P/D "
+        "request that disaggregation cannot serve as sent (n other than 1, a batch of prompts) goes to the local "
+        "decode worker exactly as sent, marked x-pd-fallback: aggregated; reason=unsupported_pd_variant; not "
+        "offered for sglang")
+    trust_client_steering: bool = setting(
+        False, parse_bool, "true turns the client guard off: a client may then send the fields and headers that "
+        "make an engine pull KV from a host of its choosing or hold KV (README, Security model); only where every "
+        "client is trusted")
     decode_queue_limit: int = setting(
         0, non_negative_int, "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode "
         "worker has more than this many requests waiting; 0 = off")
@@ -258,6 +267,9 @@ def check_consistency(settings: Settings) -> list[str]:
         problems.extend(engine.option_problems(settings.protocol or engine.pins[0], settings.engine_options))
         if settings.prefill_fallback != "off" and engine.no_fallback:
             problems.append(f"prefill_fallback: adapter {settings.adapter} cannot fall back: {engine.no_fallback}")
+        if settings.unsupported_variants != "refuse" and engine.no_fallback:
+            problems.append(f"unsupported_variants: adapter {settings.adapter} cannot serve a request whole: "
+                            f"{engine.no_fallback}")
         if settings.decode_queue_limit and engine.decode_queue is None:
             problems.append(f"decode_queue_limit: adapter {settings.adapter} names no decode queue gauge")
     if settings.prefill_connect_timeout > settings.prefill_deadline:

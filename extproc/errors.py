@@ -12,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
 
 import orjson
+
+if TYPE_CHECKING:
+    from extproc.core.relayed_error import RelayedError
 
 
 class Code(StrEnum):
@@ -148,12 +152,15 @@ class PdError(Exception):
     """
 
     def __init__(self, code: Code, *, field: str | None = None, problem: Problem | None = None,
-                 status: int | None = None, upstream_status: int | None = None) -> None:
+                 status: int | None = None, upstream_status: int | None = None,
+                 relayed: RelayedError | None = None) -> None:
         self.code = code
         self.field = field
         self.problem = problem
         self.status = status if status is not None else SPEC[code].status
         self.upstream_status = upstream_status  # what the prefill worker answered, when it answered
+        # prefill_upstream_error only: the engine's own error about the request, relayed as it put it
+        self.relayed = relayed
         super().__init__(code.value if self.param is None else f"{code.value}: {self.param}")
 
     @property

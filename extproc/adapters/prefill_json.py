@@ -7,23 +7,25 @@ from typing import Any
 import orjson
 
 from extproc.core import jsonspan
+from extproc.core.relayed_error import relayable_error
 from extproc.errors import Code, PdError
 from extproc.upstream.transport import WorkerReply
 
 _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 
 
-def upstream_status_error(status: int) -> PdError:
+def upstream_status_error(status: int, content_type: str | None = None, body: bytes = b"") -> PdError:
     """A non-200 prefill answer. The client's status: 4xx and 5xx keep their exact value (so the class
-    is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502."""
+    is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502. The engine's own error about
+    the request (upstream_error.py) is relayed."""
     return PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502,
-                   upstream_status=status)
+                   upstream_status=status, relayed=relayable_error(status, content_type, body))
 
 
 def parse_prefill_object(reply: WorkerReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
-    """The reply's JSON object and its top-level member spans. Never relays the reply body."""
+    """The reply's JSON object and its top-level member spans. Never relays the reply's bytes."""
     if reply.status != 200:
-        raise upstream_status_error(reply.status)
+        raise upstream_status_error(reply.status, reply.content_type, reply.body)
     media = (reply.content_type or "").split(";", 1)[0].strip().lower()
     if media == "text/event-stream" or reply.body.lstrip().startswith(_SSE_PREFIXES):
         raise PdError(Code.PREFILL_RESPONSE_STREAMED)

@@ -18,6 +18,18 @@ _WS = re.compile(rb"[ \t\r\n]*")
 _BACKSLASH = ord("\\")
 _SCALAR = re.compile(rb"[^,}\] \t\r\n]+")
 _STRUCTURAL = re.compile(rb'["\[\]{}]')
+# A nested value up to this long is measured by orjson (C) instead of the scanner below: parsing the
+# rest of the document from the value's first byte stops with "unexpected content after document"
+# exactly where the value (and the whitespace after it) ends. orjson reports that place in characters,
+# which are bytes only in ASCII text, so only an ASCII window is measured this way. Each try parses
+# (and, failing, copies into its error) up to a window of what follows, so a document gets at most
+# _MEASURE_BUDGET bytes of tries: many nested members cannot make it quadratic.
+_WINDOW = 8 << 10
+_MEASURE_BUDGET = 64 << 10
+_AFTER_DOCUMENT = "unexpected content after document"
+_CLOSING = {ord("{"): ord("}"), ord("["): ord("]")}
+_PLAIN_KEY = re.compile(rb'"([^"\\]*+)"[ \t\r\n]*+:[ \t\r\n]*+')  # a key without escapes
+_SEPARATOR = re.compile(rb"[ \t\r\n]*+(?:(,)[ \t\r\n]*+|})")  # after a value: the next member, or the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +60,7 @@ def _string_end(raw: bytes, pos: int) -> int:
         start = quote + 1
 
 
-def _value_end(raw: bytes, pos: int) -> int:
+def _value_end(raw: bytes, pos: int, measure: bool = False) -> int:
     first = raw[pos:pos + 1]
     if first == b'"':
         return _string_end(raw, pos)
@@ -56,6 +68,9 @@ def _value_end(raw: bytes, pos: int) -> int:
         match = _SCALAR.match(raw, pos)
         assert match is not None
         return match.end()
+    measured = _measured_end(raw, pos) if measure else None
+    if measured is not None:
+        return measured
     depth = 0
     while True:
         match = _STRUCTURAL.search(raw, pos)
@@ -70,6 +85,22 @@ def _value_end(raw: bytes, pos: int) -> int:
             return pos
 
 
+def _measured_end(raw: bytes, pos: int) -> int | None:
+    """The end of the object or array at ``pos`` as orjson finds it, or None (long, non-ASCII, or any
+    answer but the expected one: the scanner decides then)."""
+    window = raw[pos:pos + _WINDOW]
+    if not window.isascii():
+        return None
+    try:
+        orjson.loads(window)
+    except orjson.JSONDecodeError as exc:
+        if exc.msg != _AFTER_DOCUMENT:
+            return None
+        window = window[:exc.pos]
+    end = pos + len(window.rstrip(b" \t\r\n"))
+    return end if raw[end - 1] == _CLOSING[raw[pos]] else None
+
+
 def members(raw: bytes) -> list[Member]:
     """The top-level members of the JSON object in ``raw``, in document order."""
     pos = _skip_ws(raw, 0)
@@ -78,18 +109,25 @@ def members(raw: bytes) -> list[Member]:
     found: list[Member] = []
     if raw[pos:pos + 1] == b"}":
         return found
+    budget = _MEASURE_BUDGET
     while True:
-        key_end = _string_end(raw, pos)
-        key = raw[pos:key_end]
-        colon = _skip_ws(raw, key_end)
-        value_start = _skip_ws(raw, colon + 1)
-        end = _value_end(raw, value_start)
-        name = key[1:-1].decode() if b"\\" not in key else orjson.loads(key)
+        plain = _PLAIN_KEY.match(raw, pos)
+        if plain is not None:  # one match for the key, the colon and the whitespace around it
+            name, value_start = plain.group(1).decode(), plain.end()
+        else:
+            key_end = _string_end(raw, pos)
+            key = raw[pos:key_end]
+            value_start = _skip_ws(raw, _skip_ws(raw, key_end) + 1)
+            name = key[1:-1].decode() if b"\\" not in key else orjson.loads(key)
+        end = _value_end(raw, value_start, budget > 0)
+        if raw[value_start] in _CLOSING:
+            budget -= _WINDOW
         found.append(Member(name, pos, value_start, end))
-        pos = _skip_ws(raw, end)
-        if raw[pos:pos + 1] == b"}":
+        separator = _SEPARATOR.match(raw, end)
+        assert separator is not None
+        if separator.group(1) is None:
             return found
-        pos = _skip_ws(raw, pos + 1)
+        pos = separator.end()
 
 
 def unique_members(raw: bytes) -> list[Member] | None:

@@ -29,6 +29,9 @@ class ClientRequest:
     raw: bytes  # the client's body, exactly as received
     body: dict[str, Any]  # the parsed body (read-only by convention)
     members: tuple[jsonspan.Member, ...]
+    # The field that selects a variant P/D cannot serve as sent (n other than 1, a batch of prompts):
+    # refused, or with PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated served whole by the decode worker.
+    unsupported: str | None = None
 
     @property
     def stream(self) -> bool:
@@ -55,8 +58,10 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> ClientRequest:
-    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse."""
+def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int,
+                         allow_unsupported: bool = False) -> ClientRequest:
+    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse.
+    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused."""
     endpoint = endpoint_of(path)
     if len(raw) > max_bytes:
         raise PdError(Code.REQUEST_TOO_LARGE)
@@ -71,11 +76,21 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
     members = jsonspan.unique_members(raw)
     if members is None:  # we refuse rather than guess which duplicate the engine sees
         raise PdError(Code.INVALID_REQUEST_BODY)
-    _check_fields(endpoint, body)
-    return ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members))
+    request = ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
+                            unsupported=_check_fields(endpoint, body))
+    if not allow_unsupported:
+        refuse_unsupported(request)
+    return request
 
 
-def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
+def refuse_unsupported(request: ClientRequest) -> None:
+    """Raise unsupported_pd_variant for a request P/D cannot serve as sent."""
+    if request.unsupported is not None:
+        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field=request.unsupported)
+
+
+def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """Raise for a field of the wrong type; return the field that selects an unsupported variant."""
     for name in _OPTIONAL_BOOL:
         value = body.get(name)
         if value is not None and not isinstance(value, bool):
@@ -84,30 +99,40 @@ def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not (is_int(value) and value >= 1):
             raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
-    n = body.get("n")
-    if n is not None and not (is_int(n) and n == 1):
-        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="n")
+    unsupported = None
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PdError(Code.INVALID_REQUEST_FIELD, field="messages")
-    else:
-        _check_prompt(body.get("prompt"))
+    elif _prompt_is_batch(body.get("prompt")):
+        unsupported = "prompt"
+    n = body.get("n")
+    if n is not None and not (is_int(n) and n == 1):
+        unsupported = "n"
+    return unsupported
 
 
-def _check_prompt(prompt: object) -> None:
+_INT_ONLY = frozenset({int})
+
+
+def _token_ids(values: list[Any]) -> bool:
+    """Every item a JSON integer (as is_int: true and false, whose type is bool, are not), at C speed: a
+    prompt of token ids runs to tens of thousands."""
+    return set(map(type, values)) <= _INT_ONLY
+
+
+def _prompt_is_batch(prompt: object) -> bool:
     """A completions prompt must be one prompt: a string, a list of token ids, or a one-item batch.
 
     vLLM returns kv_transfer_params for the first prompt of a batch only, so a batch cannot be
     disaggregated correctly.
     """
     if isinstance(prompt, str):
-        return
+        return False
     if isinstance(prompt, list) and prompt:
-        if all(is_int(token) for token in prompt):
-            return
-        if len(prompt) == 1 and (isinstance(prompt[0], str) or
-                                 (isinstance(prompt[0], list) and all(is_int(t) for t in prompt[0]))):
-            return
-        raise PdError(Code.UNSUPPORTED_PD_VARIANT, field="prompt")
+        if _token_ids(prompt):
+            return False
+        one = len(prompt) == 1 and (isinstance(prompt[0], str) or
+                                    (isinstance(prompt[0], list) and _token_ids(prompt[0])))
+        return not one
     raise PdError(Code.INVALID_REQUEST_FIELD, field="prompt")

@@ -22,11 +22,27 @@ _NAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
 
 
+# Values already accepted, with their (immutable) targets: a decode pod sees the same few prefill
+# workers again and again. Bounded; refused values are never kept.
+_ACCEPTED: dict[str, WorkerAddress] = {}
+_ACCEPTED_MAX = 1024
+
+
 def parse_prefill_target(values: Sequence[str]) -> WorkerAddress:
     """Parse the header's values (every occurrence, as received). Raises PdError(invalid_prefill_target)."""
     if len(values) != 1:
         raise PdError(Code.INVALID_PREFILL_TARGET)
     value = values[0]
+    target = _ACCEPTED.get(value)
+    if target is None:
+        target = _parse(value)
+        if len(_ACCEPTED) >= _ACCEPTED_MAX:
+            _ACCEPTED.clear()
+        _ACCEPTED[value] = target
+    return target
+
+
+def _parse(value: str) -> WorkerAddress:
     if not value or len(value) > 300 or not value.isascii():
         raise PdError(Code.INVALID_PREFILL_TARGET)
     host_text, sep, port_text = value.rpartition(":")

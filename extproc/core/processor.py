@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,10 +39,12 @@ from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
 from extproc.core.fields import refuse_reserved
 from extproc.core.headers import prefill_headers
-from extproc.core.openai_request import ClientRequest, parse_client_request
+from extproc.core.openai_request import ClientRequest, parse_client_request, refuse_unsupported
 from extproc.core.prefill_target import HEADER, parse_prefill_target
+from extproc.core.steering import STEERING_HEADER_NAMES, refuse_steering
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
+from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
 from extproc.upstream.decode_queue import DecodeQueueWatch
 from extproc.upstream.discovery import ServerInfoCache
@@ -105,6 +107,7 @@ class PdProcessor:
         decode: ResolvedTarget,
         decode_queue: DecodeQueueWatch | None = None,
         fallback: bool = False,
+        serve_unsupported: bool = False,
         tracing: Tracing | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
@@ -117,8 +120,11 @@ class PdProcessor:
         self._decode = decode
         self._decode_queue = decode_queue
         self._fallback = fallback
+        self._serve_unsupported = serve_unsupported
         self._tracing = tracing
         self._nonce = nonce
+        # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
+        metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
@@ -155,13 +161,21 @@ class PdProcessor:
         try:
             if isinstance(adapter, Disabled):  # refused at the head already; a body never gets here
                 raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
-            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes)
+            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes,
+                                           allow_unsupported=True)
             refuse_reserved(request.body, adapter.reserved_fields)
+            refuse_steering(request.body, frozenset(field.name for field in adapter.reserved_fields))
+            if request.unsupported is not None:
+                if not (self._serve_unsupported and isinstance(adapter, SequentialAdapter)):
+                    refuse_unsupported(request)
+                error = PdError(Code.UNSUPPORTED_PD_VARIANT, field=request.unsupported)
+                response = self._fall_back(adapter, request, record, error, adapter_body=False)
+                self._finish(record, record.outcome, record.status)
+                return BodyOutcome(response)
             target = pending.target
             if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
                 raise target  # only a sequential flow can serve a request whole
             self._admission.enter()
-            self._metrics.inflight.inc()
             if isinstance(adapter, ConcurrentAdapter):
                 assert not isinstance(target, PdError)
                 return await self._start_concurrent(adapter, head, request, target, record)
@@ -200,11 +214,14 @@ class PdProcessor:
         return self._decode_reply(adapter, decision)
 
     def _fall_back(self, adapter: Adapter, request: ClientRequest, record: RequestRecord,
-                   error: PdError) -> pb.ProcessingResponse:
-        """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback)."""
-        record.outcome, record.fallback_reason = "prefill_fallback", error.code.value
-        self._metrics.fallbacks.labels(record.adapter, error.code.value).inc()
-        return self._decode_reply(adapter, adapter.aggregated(request), metadata={"fallback": "aggregated"})
+                   error: PdError, adapter_body: bool = True) -> pb.ProcessingResponse:
+        """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback,
+        with the reason). An unsupported variant goes exactly as sent (``adapter_body=False``)."""
+        reason = error.code.value
+        record.outcome, record.fallback_reason = "prefill_fallback", reason
+        self._metrics.fallbacks.labels(record.adapter, reason).inc()
+        decision = adapter.aggregated(request) if adapter_body else DecodeWith(request.raw)
+        return self._decode_reply(adapter, decision, metadata={"fallback": f"aggregated; reason={reason}"})
 
     async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
@@ -231,8 +248,7 @@ class PdProcessor:
                 async with asyncio.timeout(DECODE_ERROR_GRACE):
                     await asyncio.shield(handle.task)
         if handle.failure is not None:
-            error = handle.failure
-            return msg.error_reply(error.code, error.status, error.param)
+            return error_response(handle.failure)
         if status >= 400 and not handle.task.done():
             # Decode failed and its answer goes to the client: nobody will claim what the prefill holds,
             # and it would wait for a claim until its engine's bootstrap timeout (SGLang: 300 s) with our
@@ -251,6 +267,8 @@ class PdProcessor:
         except PdError as error:
             self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
             record.handoff_problem = error.handoff_reason
+            if error.relayed is not None:
+                record.prefill_error = error.relayed.reason
             handle.failure = error
             if plan.abort is not None and not handle.decode_answered.is_set():
                 record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
@@ -311,7 +329,7 @@ class PdProcessor:
     async def _post_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
                             target: ResolvedTarget, body: bytes, record: RequestRecord,
                             bounds: Bounds | None = None) -> WorkerReply:
-        headers = prefill_headers(head.headers, adapter.reserved_headers)
+        headers = prefill_headers(head.headers, adapter.reserved_headers | STEERING_HEADER_NAMES)
         if record.trace is None:
             return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
         headers = record.trace.start_prefill(headers)
@@ -323,12 +341,11 @@ class PdProcessor:
     def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
                       metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
         overridden = {name for name, _ in decision.headers}
-        remove = sorted(name for name in adapter.reserved_headers if name not in overridden)
+        remove = sorted(name for name in adapter.reserved_headers | STEERING_HEADER_NAMES if name not in overridden)
         return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
 
     def _leave(self) -> None:
         self._admission.leave()
-        self._metrics.inflight.dec()
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
@@ -339,9 +356,11 @@ class PdProcessor:
 
     def _refuse(self, record: RequestRecord, error: PdError) -> pb.ProcessingResponse:
         record.handoff_problem = error.handoff_reason
+        if error.relayed is not None:
+            record.prefill_error = error.relayed.reason
         self._finish(record, error.code.value, error.status)
         extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
-        return msg.error_reply(error.code, error.status, error.param, extra)
+        return error_response(error, extra)
 
     def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
         record.outcome, record.status, record.done = outcome, status, True
@@ -363,7 +382,16 @@ class PdProcessor:
             extra["decode_aborted"] = record.decode_aborted
         if record.fallback_reason is not None:
             extra["fallback_reason"] = record.fallback_reason
-        log.info("pd_request", extra=extra)
+        if record.prefill_error is not None:
+            extra["prefill_error"] = record.prefill_error
+        logs.info(log, "pd_request", extra)
+
+
+def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
+    """The client's reply to an error: ours, or the prefill engine's own error about the request."""
+    if error.relayed is not None:
+        return msg.immediate(error.status, error.relayed.body(), "pd_" + error.code.value, extra)
+    return msg.error_reply(error.code, error.status, error.param, extra)
 
 
 def _ms(seconds: float | None) -> float | None:

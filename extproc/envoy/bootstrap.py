@@ -5,7 +5,7 @@ ext_proc; every other request takes route "passthrough", where our server is nev
 filter is disabled by default in the connection manager and enabled by the pd route alone, so Envoy does
 not even build the filter for a passthrough request (a route that disables it with ExtProcPerRoute would
 still build it, and pay for it, on every request).
-See research notes in PROTOCOL.md ("Envoy contract") for why each value is set.
+PROTOCOL.md §2 ("Envoy contract") says why each value is set.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.core.headers import PICKER_HEADERS
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.envoy.guard import LUA_RESPONSE_DETAILS, disabled_on_route, guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
 from extproc.errors import SPEC, Code
 from extproc.units import Address, format_duration
@@ -121,7 +122,8 @@ def _local_reply_config() -> dict[str, Any]:
     for condition, code, keep_status in _LOCAL_REPLY_RULES:
         spec = SPEC[code]
         mapper: dict[str, Any] = {
-            "filter": _cel_filter(f"!response.code_details.startsWith('pd_') && ({condition})"),
+            "filter": _cel_filter(f"!response.code_details.startsWith('pd_')"
+                                  f" && response.code_details != '{LUA_RESPONSE_DETAILS}' && ({condition})"),
             "body_format_override": {
                 "json_format": {"error": {
                     "message": spec.message,
@@ -149,7 +151,7 @@ def _ext_proc_filter(settings: Settings) -> dict[str, Any]:
         "message_timeout": format_duration(settings.message_timeout),
         "processing_mode": {
             # SEND, not SKIP + CEL attributes: with the headers phase skipped, Envoy never calls us for a
-            # body-less POST, which then reaches decode without a handoff (README, "Design notes").
+            # body-less POST, which then reaches decode without a handoff (docs/decisions.md).
             "request_header_mode": "SEND",
             "request_body_mode": "BUFFERED",
             "request_trailer_mode": "SKIP",
@@ -171,13 +173,22 @@ def _route_common(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _guard_passthrough(settings: Settings, route: dict[str, Any]) -> dict[str, Any]:
+    """The passthrough guard's share of a route (extproc/envoy/guard.py): the whole body is buffered for
+    inspection, and the headers that steer an engine are removed."""
+    if settings.trust_client_steering:
+        return route
+    return {**route, "request_body_buffer_limit": settings.max_request_bytes,
+            "request_headers_to_remove": sorted({*route["request_headers_to_remove"], *stripped_headers()})}
+
+
 def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
-    passthrough = {
+    passthrough = _guard_passthrough(settings, {
         "name": "passthrough",
         "match": {"prefix": "/"},
         "route": _route_common(settings),
         "request_headers_to_remove": sorted(PICKER_HEADERS),
-    }
+    })
     if not pd_enabled:
         return [passthrough]
     pd_route = {
@@ -200,7 +211,8 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         # Enables the ext_proc filter, disabled by default in the connection manager (see the module docstring).
         # Envoy wants a config inside: an ExtProcPerRoute with nothing overridden.
         "typed_per_filter_config": {EXT_PROC_FILTER: {_TYPE: _FILTER_CONFIG, "config": {
-            _TYPE: _EXT_PROC_PER_ROUTE, "overrides": {}}}},
+            _TYPE: _EXT_PROC_PER_ROUTE, "overrides": {}}},
+            **({} if settings.trust_client_steering else disabled_on_route())},
     }
     return [pd_route, passthrough]
 
@@ -230,6 +242,8 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
         {"name": "envoy.filters.http.body_size_limit",
          "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
     ]
+    if not settings.trust_client_steering:
+        filters.append(guard_filter())
     if pd_enabled:
         filters.append({"name": EXT_PROC_FILTER, "disabled": True, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})

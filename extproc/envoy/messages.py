@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -36,12 +37,15 @@ class RequestHead:
 
 
 def head_from_headers(message: pb.HttpHeaders) -> RequestHead:
-    headers = tuple(
-        (h.key.lower(), h.raw_value.decode("latin-1") if h.raw_value else h.value)
-        for h in message.headers.headers
-    )
-    path = next((value for key, value in headers if key == ":path"), "")
-    return RequestHead(path=path, headers=headers)
+    headers = []
+    path = None
+    for header in message.headers.headers:  # one pass: each field read from the message once
+        key, raw = header.key.lower(), header.raw_value
+        value = raw.decode("latin-1") if raw else header.value
+        headers.append((key, value))
+        if path is None and key == ":path":
+            path = value
+    return RequestHead(path=path or "", headers=tuple(headers))
 
 
 def response_status(message: pb.HttpHeaders) -> int:
@@ -53,19 +57,27 @@ def response_status(message: pb.HttpHeaders) -> int:
     return 0
 
 
-def _header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _add_header(options: Any, key: str, value: bytes) -> None:
+    """Append a set-header to a repeated HeaderValueOption field, built in place."""
+    header = options.add(append_action=_OVERWRITE).header
+    header.key = key
+    header.raw_value = value
+
+
+# Replies that never vary, built once. Shared: never mutate what these functions return.
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
 def continue_headers() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    return _CONTINUE_HEADERS
 
 
 def continue_response_headers() -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    return _CONTINUE_RESPONSE_HEADERS
 
 
 # Our dynamic-metadata namespace: Envoy accepts it (ext_proc metadata_options) and the pd route turns
@@ -83,9 +95,9 @@ def replace_body(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
         response.dynamic_metadata.update({METADATA_NAMESPACE: dict(metadata)})
     common = response.request_body.response
     mutation = common.header_mutation
-    mutation.set_headers.append(_header("content-length", str(len(body)).encode()))
+    _add_header(mutation.set_headers, "content-length", b"%d" % len(body))
     for key, value in set_headers:
-        mutation.set_headers.append(_header(key, value))
+        _add_header(mutation.set_headers, key, value)
     mutation.remove_headers.extend(remove_headers)
     common.body_mutation.body = body
     return response
@@ -97,9 +109,9 @@ def immediate(status: int, body: bytes, details: str, extra_headers: Sequence[tu
     response = pb.ProcessingResponse()
     reply = response.immediate_response
     reply.status.code = envoy_status(status)
-    reply.headers.set_headers.append(_header("content-type", content_type))
+    _add_header(reply.headers.set_headers, "content-type", content_type)
     for key, value in extra_headers:
-        reply.headers.set_headers.append(_header(key, value))
+        _add_header(reply.headers.set_headers, key, value)
     reply.body = body
     reply.details = details
     return response

@@ -39,6 +39,7 @@ class RequestRecord:
     prefill: ExchangeTimings = field(default_factory=ExchangeTimings)  # the prefill leg, as the transport saw it
     body_bytes: int | None = None
     handoff_problem: str | None = None  # PdError.handoff_reason: only handoff problems
+    prefill_error: str | None = None  # the prefill engine's own message, when its error was relayed
     fallback_reason: str | None = None  # the prefill failure a fallback answered (an error code)
     decode_aborted: bool | None = None  # concurrent flow: a failed prefill's decode abort was accepted
     done: bool = False  # logged and counted
@@ -47,6 +48,10 @@ class RequestRecord:
 
 class Metrics:
     def __init__(self) -> None:
+        # Labelled series looked up once each (labels() takes a lock and builds a key on every call); a
+        # series still appears only once it is first used, as with labels().
+        self._outcomes: dict[tuple[str, str], Counter] = {}
+        self._histograms: dict[tuple[object, ...], Histogram] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.build_info = Gauge("pd_extproc_build_info", "The running pd-extproc release (always 1).", ["version"],
                                 registry=self.registry)
@@ -83,7 +88,8 @@ class Metrics:
             registry=self.registry)
         self.fallbacks = Counter(
             "pd_extproc_prefill_fallbacks",
-            "P/D requests served whole by the decode worker after a prefill failure, by that failure's code.",
+            "P/D requests served whole by the decode worker, by reason: the prefill failure's code, or "
+            "unsupported_pd_variant (PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated).",
             ["adapter", "reason"], registry=self.registry)
         self.decode_queue = Gauge(
             "pd_extproc_decode_queue_waiting",
@@ -105,22 +111,34 @@ class Metrics:
             "pd_extproc_prefill_response_bytes", "Prefill response body sizes.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)
 
+    def _histogram(self, metric: Histogram, *labels: str) -> Histogram:
+        key = (id(metric), *labels)
+        child = self._histograms.get(key)
+        if child is None:
+            child = self._histograms[key] = metric.labels(*labels)
+        return child
+
     def finish(self, record: RequestRecord, total_seconds: float) -> None:
         adapter = record.adapter
-        self.requests.labels(adapter, record.outcome).inc()
+        key = (adapter, record.outcome)
+        outcome = self._outcomes.get(key)
+        if outcome is None:
+            outcome = self._outcomes[key] = self.requests.labels(*key)
+        outcome.inc()
         if record.prefill.connect_seconds is not None:
-            self.prefill_seconds.labels(adapter, "connect").observe(record.prefill.connect_seconds)
+            self._histogram(self.prefill_seconds, adapter, "connect").observe(record.prefill.connect_seconds)
         if record.prefill.response_seconds is not None:
-            self.prefill_seconds.labels(adapter, "response").observe(record.prefill.response_seconds)
+            self._histogram(self.prefill_seconds, adapter, "response").observe(record.prefill.response_seconds)
         if record.prefill.total_seconds is not None:
-            self.prefill_seconds.labels(adapter, "total").observe(record.prefill.total_seconds)
-        self.processing_seconds.labels(adapter).observe(max(0.0, total_seconds - (record.prefill.total_seconds or 0.0)))
+            self._histogram(self.prefill_seconds, adapter, "total").observe(record.prefill.total_seconds)
+        self._histogram(self.processing_seconds, adapter).observe(
+            max(0.0, total_seconds - (record.prefill.total_seconds or 0.0)))
         if record.handoff_problem is not None:
             self.handoff_failures.labels(adapter, record.handoff_problem).inc()
         if record.body_bytes is not None:
-            self.request_bytes.labels(adapter).observe(record.body_bytes)
+            self._histogram(self.request_bytes, adapter).observe(record.body_bytes)
         if record.prefill.response_bytes is not None:
-            self.prefill_response_bytes.labels(adapter).observe(record.prefill.response_bytes)
+            self._histogram(self.prefill_response_bytes, adapter).observe(record.prefill.response_bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,7 @@ A host name is resolved here, once per request, and we connect to the address th
 a second resolution cannot swap in a forbidden address. The HTTP/1.1 exchange is extproc/upstream/http1.py on
 an asyncio Protocol, with a keep-alive pool per (address, port, TLS name): no proxies, no redirects,
 no decompression, no cookies. It replaced aiohttp, which replaced httpx; each was measured on the same
-worker (README, "Design notes").
+worker (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from extproc.core.prefill_policy import PrefillPolicy, first_allowed
+from extproc.core.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
+from extproc.core.relayed_error import RELAYED_STATUSES
 from extproc.errors import Code, PdError
 from extproc.upstream import http1
 from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
@@ -38,6 +40,7 @@ from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, 
 # srt/environ.py, uvicorn's default), so we do not send a request into a connection the worker is
 # closing. A POST that met such a close is never retried: the prefill may have run.
 KEEPALIVE_SECONDS = 4.0
+CHECKED_TARGETS_MAX = 1024  # IP targets already allowed by the (fixed) policy, kept to skip its check
 
 
 class Phase(Enum):
@@ -93,6 +96,7 @@ class WorkerClient:
         self._policy = policy
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
+        self._checked: dict[WorkerAddress, ResolvedTarget] = {}
         self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
         self._swept = time.monotonic()
         self._open = True
@@ -110,9 +114,15 @@ class WorkerClient:
     async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:
-            if not self._policy.allows_address(target.ip, target.port):
-                raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
-            return ResolvedTarget(target, target.ip)
+            checked = self._checked.get(target)
+            if checked is None:
+                if not self._policy.allows_address(target.ip, target.port):
+                    raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
+                checked = ResolvedTarget(target, target.ip)
+                if len(self._checked) >= CHECKED_TARGETS_MAX:
+                    self._checked.clear()
+                self._checked[target] = checked
+            return checked
         name_allowed = self._policy.allows_name(target.host, target.port)
         try:
             async with asyncio.timeout(self._limits.connect_timeout):
@@ -178,7 +188,7 @@ class WorkerClient:
                 timings.status = head.status
             content_type = head.get("content-type")
             if head.status != 200:
-                return WorkerReply(head.status, content_type, b"")
+                return WorkerReply(head.status, content_type, await self._error_body(connection, head, gap))
             try:
                 body_read = await connection.read_body(head, self._limits.max_response_bytes, gap)
             except http1.BodyTooLarge:
@@ -197,6 +207,16 @@ class WorkerClient:
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
                 connection.close()
+
+    async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
+        """An error answer's body, only where it may be the engine's own error about the request
+        (upstream_error.py); empty when it is not, too large or not complete. Never reused after."""
+        if head.status not in RELAYED_STATUSES:
+            return b""
+        try:
+            return await connection.read_body(head, min(RELAYED_MAX_BODY_BYTES, self._limits.max_response_bytes), gap)
+        except (http1.BodyTooLarge, OSError):
+            return b""
 
     def _pooled(self, key: _PoolKey) -> http1.Connection | None:
         """The most recently used idle connection to ``key`` that is still open and fresh."""

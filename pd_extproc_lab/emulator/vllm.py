@@ -40,12 +40,25 @@ DEFAULT_MAX_TOKENS = 16
 REQUIRED_FOR_LOAD = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-def _error_object(status: int, message: str, kind: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+MAX_MODEL_LEN = 4096  # what /v1/models reports; a prompt longer than this is refused like vLLM
 
 
-def error_json(status: int, message: str, kind: str) -> bytes:
-    return orjson.dumps(_error_object(status, message, kind))
+def _error_object(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_json(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    return orjson.dumps(_error_object(status, message, kind, param))
+
+
+def context_length_error(prompt_tokens: int) -> Response:
+    """vLLM 0.32's answer to a prompt over max_model_len: renderers/params.py ``_token_len_check``
+    raises VLLMValidationError(parameter="input_tokens"), which serve/exception_handling/error_response.py
+    ``create_error_response`` renders as a 400 BadRequestError with that param."""
+    message = (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your prompt "
+               f"contains {prompt_tokens} input tokens, which exceeds this limit even without any output "
+               "tokens. Please reduce the length of the input prompt.")
+    return Response(400, error_json(400, message, "BadRequestError", "input_tokens"))
 
 
 def _bad_request(message: str) -> Response:
@@ -161,7 +174,7 @@ class VllmEmulator:
     async def _generate(self, request: Request, received: Received) -> Reply:
         if request.path == "/v1/models":  # recorded too: tests see the readiness probe
             return Response(200, orjson.dumps({"object": "list", "data": [
-                {"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": 4096}]}))
+                {"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": MAX_MODEL_LEN}]}))
         if request.method != "POST" or request.path not in ("/v1/chat/completions", "/v1/completions"):
             return Response(404, error_json(404, "Not Found", "NotFoundError"))
         behaviour = self.control.next_behaviour(received)
@@ -177,6 +190,8 @@ class VllmEmulator:
             return problem
         prompt = text.chat_prompt(body.get("messages")) if chat else text.completion_prompt(body.get("prompt"))
         prompt_tokens = text.count_tokens(prompt)
+        if prompt_tokens > MAX_MODEL_LEN:
+            return context_length_error(prompt_tokens)
         params = body.get("kv_transfer_params")
         params = params if isinstance(params, dict) else None
         handoff: Any = None

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.compose.commands import BUILD, DOWN, UP
-from tests.compose.project import BUILD_TIMEOUT, ComposeProject, brought_up
+from tests.compose.project import BUILD_TIMEOUT, ComposeProject, brought_up, container_engine
 from tests.conftest import SUMMARY, failed_with
 
 ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE; vllm is README's walk-through
@@ -22,7 +22,8 @@ ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE; vllm is README's walk-throu
 def built_image() -> ComposeProject:
     builder = ComposeProject("vllm")
     ran = builder.run(BUILD, timeout=BUILD_TIMEOUT)
-    SUMMARY.append(f"compose stage: image built in {ran.seconds:.0f} s ({' '.join(ran.argv[-3:])})")
+    SUMMARY.append(f"compose stage ({container_engine()}): image built in {ran.seconds:.0f} s "
+                   f"({' '.join(ran.argv[-3:])})")
     return builder
 
 
@@ -30,11 +31,12 @@ def built_image() -> ComposeProject:
 def project(request: pytest.FixtureRequest, built_image: ComposeProject) -> Iterator[ComposeProject]:
     with brought_up(ComposeProject(request.param), UP) as running:
         up = running.history[0]
-        SUMMARY.append(f"compose stage: {request.param} up and serving, `up` took {up.seconds:.1f} s")
+        SUMMARY.append(f"compose stage ({container_engine()}): {request.param} up and serving, "
+                       f"`up` took {up.seconds:.1f} s")
         yield running
         for ran in running.history:
             if ran.argv[-len(DOWN.args):] == DOWN.args:
-                SUMMARY.append(f"compose stage: {request.param} down in {ran.seconds:.1f} s")
+                SUMMARY.append(f"compose stage ({container_engine()}): {request.param} down in {ran.seconds:.1f} s")
 
 
 @pytest.fixture

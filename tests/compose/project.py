@@ -1,9 +1,10 @@
 """One running envoy/docker-compose.yaml project, driven the way README drives it.
 
-The compose command is PD_COMPOSE (the Makefile sets podman-compose from .venv-compose; ``docker
-compose`` works too) and the container CLI for the final "nothing left" check is
-PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime and handed to the compose
-file through its PD_*_PORT variables; everything the tests observe goes through those ports.
+The compose command is PD_COMPOSE (the Makefile sets podman-compose from .venv-compose for the
+suite, and ``docker compose`` for `make compose-docker`) and the container CLI for the final
+"nothing left" check is PD_CONTAINER_ENGINE (podman, or docker). Host ports are picked at runtime
+and handed to the compose file through its PD_*_PORT variables; everything the tests observe goes
+through those ports.
 """
 
 from __future__ import annotations
@@ -88,14 +89,19 @@ class ComposeProject:
     ports: dict[str, int] = field(default_factory=lambda: {name: free_port() for name in PORT_VARIABLES})
     compose: tuple[str, ...] = field(default_factory=compose_command)
     history: list[Ran] = field(default_factory=list)
+    overrides: tuple[str, ...] = ()  # compose files merged over envoy/docker-compose.yaml (-f each)
 
     @property
     def env(self) -> dict[str, str]:
         variables = {PORT_VARIABLES[name]: str(port) for name, port in self.ports.items()}
         return {**os.environ, **variables, "PD_ENGINE": self.engine}
 
+    def argv(self, step: Compose) -> tuple[str, ...]:
+        files = [arg for override in self.overrides for arg in ("-f", override)]
+        return (*self.compose, *step.argv[:2], *files, *step.argv[2:])
+
     def run(self, step: Compose, timeout: float = COMMAND_TIMEOUT, check: bool = True) -> Ran:
-        argv = (*self.compose, *step.argv)
+        argv = self.argv(step)
         started = time.monotonic()
         try:
             result = subprocess.run(argv, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout,
@@ -106,8 +112,9 @@ class ComposeProject:
                                  f"{self.logs()}") from None
         ran = Ran(argv, time.monotonic() - started, result.returncode, result.stdout + result.stderr)
         self.history.append(ran)
-        if check and ran.returncode != 0:
-            raise AssertionError(f"{shlex.join(argv)} exited {ran.returncode}:\n{without_noise(ran.output)[-4000:]}")
+        if check and ran.returncode != 0:  # e.g. Docker's `up --wait` when a service exits: its log says why
+            raise AssertionError(f"{shlex.join(argv)} exited {ran.returncode}:\n{without_noise(ran.output)[-4000:]}\n"
+                                 f"{self.logs()}")
         return ran
 
     def url(self, port: str) -> str:
@@ -171,7 +178,7 @@ class ComposeProject:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             ps = subprocess.run([container_engine(), "ps", "-a", "--filter", PROJECT_LABEL], capture_output=True,
                                 text=True, timeout=60, check=False).stdout
-            logs = subprocess.run([*self.compose, *Compose(("logs", "--no-color", "--tail", "30")).argv], cwd=REPO,
+            logs = subprocess.run(self.argv(Compose(("logs", "--no-color", "--tail", "30"))), cwd=REPO,
                                   env=self.env, capture_output=True, text=True, timeout=60, check=False)
             return f"{ps}\n{without_noise(logs.stdout + logs.stderr)}"
         return "(no logs)"
@@ -216,7 +223,7 @@ def wait_until_serving(project: ComposeProject) -> None:
                 return True
             stopped = exited(project)
             if stopped:
-                raise AssertionError(f"a container exited: {stopped}\n{project.logs()}")
+                raise AssertionError(f"a container exited: {stopped}")  # the logs follow, below
             return False
         return condition
 

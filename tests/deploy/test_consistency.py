@@ -400,8 +400,9 @@ def test_the_makefile_tags_the_image_with_the_release(repo: Path) -> None:
 
 
 def test_every_image_tag_the_repository_names_is_the_release(repo: Path) -> None:
-    """Compose, the kustomize package, the Dockerfile's usage and README's commands name one tag."""
-    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "envoy").glob("*.yaml")),
+    """Compose, the kustomize package, the Dockerfile's usage and the commands of README and docs/ name one tag."""
+    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "docs").glob("*.md")),
+             *sorted((repo / "envoy").glob("*.yaml")),
              *sorted((repo / "k8s").rglob("*.yaml"))]
     tags = {(path.relative_to(repo).as_posix(), tag) for path in files
             for tag in re.findall(r"pd-extproc:(\d+\.\d+\.\d+\S*)", path.read_text())}

@@ -275,6 +275,18 @@ DOCKERFILE_PLANTS = {
     "single stage": ("FROM ${PYTHON_IMAGE} AS build", "# no build stage"),
 }
 
+# Each needs a registry even with a local base image (an air-gapped build).
+REGISTRY_PLANTS = {
+    "syntax directive": ("# pd-extproc in one image", "# syntax=docker/dockerfile:1\n# pd-extproc in one image"),
+    "syntax directive, spaced and capitalised": ("# pd-extproc in one image",
+                                                 "#  Syntax = docker/dockerfile:1.4\n# pd-extproc in one image"),
+    "BUILDKIT_SYNTAX argument": ("ARG PYTHON_IMAGE=", "ARG BUILDKIT_SYNTAX=docker/dockerfile:1\nARG PYTHON_IMAGE="),
+    "base named in FROM": ("FROM ${PYTHON_IMAGE}\n", "FROM python:3.11.13-slim-bookworm\n"),
+    "COPY from an image": ("COPY --from=build /opt/envoy /opt/envoy",
+                           "COPY --from=envoyproxy/envoy:v1.40.0 /usr/local/bin/envoy /opt/envoy/bin/envoy"),
+    "RUN mounting an image": ("RUN groupadd", "RUN --mount=type=bind,from=busybox:1.36.1,target=/b groupadd"),
+}
+
 
 @pytest.mark.parametrize("plant", sorted(DOCKERFILE_PLANTS))
 def test_dockerfile_lint_rejects_a_planted_error(plant: str) -> None:
@@ -282,3 +294,24 @@ def test_dockerfile_lint_rejects_a_planted_error(plant: str) -> None:
     old, new = DOCKERFILE_PLANTS[plant]
     assert old in text
     assert dockerfile_lint.problems(text.replace(old, new, 1)) != []
+
+
+@pytest.mark.parametrize("plant", sorted(REGISTRY_PLANTS))
+def test_dockerfile_lint_rejects_what_needs_a_registry(plant: str) -> None:
+    text = (validate.REPO / "Dockerfile").read_text()
+    old, new = REGISTRY_PLANTS[plant]
+    assert old in text
+    assert dockerfile_lint.registry_problems(text) == []
+    planted = dockerfile_lint.registry_problems(text.replace(old, new, 1))
+    assert len(planted) == 1, planted
+    assert planted[0] in dockerfile_lint.problems(text.replace(old, new, 1))
+
+
+def test_a_syntax_line_below_the_first_comment_is_no_directive() -> None:
+    """BuildKit reads directives only up to the first line that is not one (ParseDirectives), so this
+    is a comment: no frontend is pulled and the lint agrees."""
+    text = (validate.REPO / "Dockerfile").read_text()
+    first, rest = text.split("\n", 1)
+    planted = f"{first}\n# syntax=docker/dockerfile:1\n{rest}"
+    assert dockerfile_lint.directives(planted) == {}
+    assert dockerfile_lint.problems(planted) == []

@@ -212,3 +212,131 @@ def test_envoy_times_first_token_of_pd_streams_and_every_pd_decode_leg(stack: St
     envoy_stats_settled(stack)
     assert pd_timings(stack) == (ttft + 1, decode + 2), "a JSON answer has a decode time and no TTFT"
     assert '{code="200"}' in envoy_histogram(stack, "pd_decode_ms"), "decode time is labelled by status"
+
+
+# --- the client guard on the passthrough route (issue 23) ------------------------------------------
+
+_JSON = {"content-type": "application/json"}
+# Bodies that would make an engine connect where the client says or hold KV for it, each refused on
+# the passthrough route of every engine's stack (the guard refuses the union: steering.py).
+STEERING_BODIES = [
+    ("vllm-ssrf", "kv_transfer_params", _JSON, completion_body(kv_transfer_params={
+        "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "remote_engine_id": "e",
+        "remote_block_ids": [[1]], "remote_request_id": "r"})),
+    ("vllm-do-remote-decode", "kv_transfer_params", _JSON,
+     completion_body(kv_transfer_params={"do_remote_decode": True})),
+    ("vllm-xargs", "vllm_xargs.kv_transfer_params", _JSON, completion_body(vllm_xargs={"kv_transfer_params": "x"})),
+    ("vllm-generate", "sampling_params.extra_args.kv_transfer_params", _JSON,
+     {"token_ids": [1, 2], "sampling_params": {"extra_args": {"kv_transfer_params": {"do_remote_decode": True}}}}),
+    ("sglang-bootstrap", "bootstrap_host", _JSON,
+     chat_body(bootstrap_host="127.0.0.1", bootstrap_port=9, bootstrap_room=7)),
+    ("sglang-list", "bootstrap_room", _JSON, completion_body(bootstrap_room=[7])),
+    ("sglang-prefill-rank", "disagg_prefill_dp_rank", _JSON, chat_body(disagg_prefill_dp_rank=1)),
+    ("sglang-vertex", "parameters.bootstrap_host", _JSON,
+     {"instances": [{"text": "hi"}], "parameters": {"bootstrap_host": "127.0.0.1"}}),
+    ("trtllm", "disaggregated_params", _JSON, chat_body(disaggregated_params={
+        "request_type": "generation_only", "ctx_info_endpoint": "tcp://127.0.0.1:9"})),
+    ("no-content-type", "kv_transfer_params", {}, completion_body(kv_transfer_params={"do_remote_decode": True})),
+    ("json-with-parameters", "kv_transfer_params", {"content-type": "Application/JSON ; charset=utf-8"},
+     completion_body(kv_transfer_params={"do_remote_decode": True})),
+    ("vendor-json", "kv_transfer_params", {"content-type": "application/vnd.api+json"},
+     completion_body(kv_transfer_params={"do_remote_decode": True})),
+]
+
+
+@pytest.mark.parametrize("case,param,headers,body", STEERING_BODIES, ids=[case[0] for case in STEERING_BODIES])
+def test_passthrough_refuses_a_body_that_steers_the_engine(
+        stack: Stack, case: str, param: str, headers: dict[str, str], body: dict[str, Any]) -> None:
+    """No x-prefiller-host-port: Envoy alone refuses the body with the P/D route's 400; decode
+    receives nothing (an SSRF body never makes it dial 127.0.0.1:9, a do_remote_decode body never
+    makes it compute and lease KV)."""
+    streams = ext_proc_streams(stack)
+    with stack.client() as client:
+        response = client.post("/v1/completions", content=json.dumps(body).encode(), headers=headers)
+    error = assert_error(response, 400, "reserved_request_field")
+    assert error["param"] == param
+    assert_no_leg_ran(stack)
+    assert ext_proc_streams(stack) == streams, "Envoy refused it alone"
+
+
+@pytest.mark.parametrize("case,raw,headers,status,code", [
+    ("escaped-key", b'{"prompt": "hi", "kv\\u005ftransfer_params": {"do_remote_decode": true}}', _JSON, 400,
+     "reserved_request_field"),
+    ("duplicate-key", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}, "kv_transfer_params": null}',
+     _JSON, 400, "reserved_request_field"),
+    ("utf-16", '{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}'.encode("utf-16"), _JSON, 400,
+     "invalid_request_body"),
+    ("two-content-types", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
+     [("content-type", "text/plain"), ("content-type", "application/json")], 415, "unsupported_media_type"),
+], ids=["escaped-key", "duplicate-key", "utf-16", "two-content-types"])
+def test_passthrough_guard_cannot_be_read_differently_from_the_engine(
+        stack: Stack, case: str, raw: bytes, headers: Any, status: int, code: str) -> None:
+    """CPython's json (what FastAPI runs) decodes escaped keys, keeps the last duplicate and reads UTF-16;
+    FastAPI takes the first content-type. The guard refuses each, and fails closed where it cannot follow."""
+    with stack.client() as client:
+        response = client.post("/v1/completions", content=raw, headers=headers)
+    error = assert_error(response, status, code)
+    if code == "reserved_request_field":
+        assert error["param"] == "kv_transfer_params"
+    assert_no_leg_ran(stack)
+
+
+LEGITIMATE_BODIES = [
+    ("plain", b'{"model": "emulated", "prompt": "hi", "max_tokens": 2}', _JSON),
+    ("names-inside-strings", b'{"model": "emulated", "prompt": "\\"kv_transfer_params\\": {\\"remote_host\\": 1}, '
+                             b'bootstrap_host", "max_tokens": 2}', _JSON),
+    ("escapes", b'{"model": "emulated", "prompt": "\\u00e9t\\u00e9 \\ud83d\\ude00 \\n\\t\\u0041", "max_tokens": 2}',
+     _JSON),
+    ("null-and-empty", b'{"model": "emulated", "prompt": "hi", "kv_transfer_params": {}, "bootstrap_room": null,'
+                       b' "max_tokens": 2}', _JSON),
+    ("unwatched-nesting", b'{"model": "emulated", "prompt": "hi", "metadata": {"kv_transfer_params": {"a": 1}},'
+                          b' "vllm_xargs": {"b": [1]}, "max_tokens": 2}', _JSON),
+    ("not-json-for-the-engine", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
+     {"content-type": "text/plain"}),
+]
+
+
+@pytest.mark.parametrize("case,raw,headers", LEGITIMATE_BODIES, ids=[case[0] for case in LEGITIMATE_BODIES])
+def test_passthrough_forwards_a_body_without_steering_byte_for_byte(
+        stack: Stack, case: str, raw: bytes, headers: dict[str, str]) -> None:
+    with stack.client() as client:
+        client.post(COMPLETIONS, content=raw, headers=headers)
+    assert stack.decode.raw_body(only(stack.decode.requests())["seq"]) == raw
+    assert stack.prefill.requests() == []
+
+
+STEERING_HEADERS = {"x-override-bootstrap-host": "127.0.0.1", "x-override-bootstrap-port": "9",
+                    "x-override-bootstrap-room": "7", "x-override-disagg-prefill-dp-rank": "1",
+                    "x-trtllm-disagg-auth": "sha256=00"}
+
+
+def test_passthrough_strips_the_headers_that_steer_an_engine(stack: Stack) -> None:
+    raw = b'{"model": "emulated", "prompt": "hi", "max_tokens": 2}'
+    with stack.client() as client:
+        client.post(COMPLETIONS, content=raw, headers={**_JSON, **STEERING_HEADERS, "x-override-priority": "1"})
+    decode = only(stack.decode.requests())
+    received = {name for name, _ in decode["headers"]}
+    assert not received & STEERING_HEADERS.keys()
+    assert "x-override-priority" in received, "other headers pass"
+    assert stack.decode.raw_body(decode["seq"]) == raw
+
+
+@pytest.mark.parametrize("field,value", [("vllm_xargs", {"kv_transfer_params": "x"}), ("ec_transfer_params", {"a": 1}),
+                                         ("disagg_prefill_dp_rank", 1), ("bootstrap_pair_key", "k")])
+def test_the_pd_route_refuses_every_engines_steering_fields_too(stack: Stack, field: str, value: Any) -> None:
+    """Beyond the adapter's own reserved fields: what steers any engine is refused before any leg."""
+    error = assert_error(post(stack, CHAT, chat_body(**{field: value})), 400, "reserved_request_field")
+    assert error["param"] == (field if field != "vllm_xargs" else "vllm_xargs.kv_transfer_params")
+    assert_no_leg_ran(stack)
+
+
+def test_the_pd_route_keeps_the_steering_headers_from_both_legs(stack: Stack) -> None:
+    """Whatever the adapter: a client's x-override-bootstrap-* or x-trtllm-disagg-auth reaches neither
+    leg (the trtllm adapter signs decode's request with its own)."""
+    assert post(stack, CHAT, chat_body(max_tokens=3), **STEERING_HEADERS).status_code == 200
+    assert eventually(lambda: len(stack.prefill.requests()) == 1)
+    prefill, decode = only(stack.prefill.requests()), only(stack.decode.requests())
+    assert not {name for name, _ in prefill["headers"]} & STEERING_HEADERS.keys()
+    received = dict(decode["headers"])
+    assert not received.keys() & (STEERING_HEADERS.keys() - {"x-trtllm-disagg-auth"})
+    assert received.get("x-trtllm-disagg-auth") != STEERING_HEADERS["x-trtllm-disagg-auth"]

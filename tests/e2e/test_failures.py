@@ -68,13 +68,21 @@ def unanswered_listener() -> Iterator[int]:
 # --- C16-C17: prefill answers badly ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 429, 500, 503])
+@pytest.mark.parametrize("status", [400, 401, 404, 413, 422, 429, 500, 503])
 def test_c16_prefill_http_error_stops_before_decode(stack: Stack, status: int) -> None:
-    """C16: a prefill 4xx/5xx keeps its status; the prefill body is not relayed; decode never runs."""
+    """C16: a prefill 4xx/5xx keeps its status; decode never runs. The engine's own error about the
+    request (400, 404, 413, 422 in its OpenAI shape) reaches the client as the engine said it, as it
+    would without P/D (issue 23); any other answer's body is dropped for our generic error."""
     stack.prefill.script({"status": status, "echo_request": True})
     response = post(stack, CHAT, chat_body(marker="zq-c16-marker"))
-    assert_error(response, status, "prefill_upstream_error")
-    assert "emulated failure" not in response.text and "zq-c16-marker" not in response.text
+    if status in (400, 404, 413, 422):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["message"].startswith("emulated failure: ") and "zq-c16-marker" in error["message"]
+        assert (error["type"], error["param"], error["code"]) == ("EmulatedError", None, status)
+    else:
+        assert_error(response, status, "prefill_upstream_error")
+        assert "emulated failure" not in response.text and "zq-c16-marker" not in response.text
     assert len(stack.prefill.requests()) == 1
     assert stack.decode.requests() == [], "the decode leg must not run"
 

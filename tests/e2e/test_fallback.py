@@ -1,7 +1,8 @@
 """PD_EXTPROC_PREFILL_FALLBACK=aggregated: when the prefill worker is unreachable, too slow or answers
 5xx, the local decode worker serves the request whole (the client's own body), and the response says
-so (x-pd-fallback: aggregated), as do the log line and a metric. A failure that is about the request
-(a 4xx from prefill, a bad target, a refused field) or about the handoff never falls back. Off (the
+so (x-pd-fallback: aggregated; reason=<the failure's code>), as do the log line and a metric. A
+failure that is about the request (a 4xx from prefill, a bad target, a refused field) or about the
+handoff never falls back. Off (the
 default) keeps today's errors: tests/e2e/test_failures.py."""
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def fallbacks(stack: Stack, reason: str) -> float:
                              f'reason="{reason}"}}', 0.0)
 
 
-def assert_served_whole(stack: Stack, response: Any, raw: bytes) -> None:
+def assert_served_whole(stack: Stack, response: Any, raw: bytes, reason: str) -> None:
     assert response.status_code == 200, response.text
-    assert response.headers["x-pd-fallback"] == "aggregated"
+    assert response.headers["x-pd-fallback"] == f"aggregated; reason={reason}"
     assert response.headers["x-emulator-worker"] == "decode"
     decode = only(stack.decode.requests())
     assert stack.decode.raw_body(decode["seq"]) == raw, "decode gets the client's own body, nothing of ours"
@@ -74,7 +75,7 @@ def test_a_prefill_failure_that_is_not_the_requests_is_served_whole_by_decode(
     if behaviour is not None:
         fb.prefill.script(behaviour)
     response = post(fb, CHAT, raw, **headers)
-    assert_served_whole(fb, response, raw)
+    assert_served_whole(fb, response, raw, reason)
     assert "kv_transfer_params" not in only(fb.decode.requests())["json"]
     assert fb.decode.metric("emulator_recomputed_prompts_total") >= 1, "decode computed the prompt itself"
     assert fallbacks(fb, reason) == before + 1
@@ -82,7 +83,7 @@ def test_a_prefill_failure_that_is_not_the_requests_is_served_whole_by_decode(
 
 
 @pytest.mark.parametrize("case,headers,behaviour,body,status,code", [
-    ("prefill-4xx", {}, {"status": 400}, chat_body(), 400, "prefill_upstream_error"),
+    ("prefill-4xx", {}, {"status": 403}, chat_body(), 403, "prefill_upstream_error"),
     ("prefill-3xx", {}, {"status": 302}, chat_body(), 502, "prefill_upstream_error"),
     ("invalid-handoff", {}, {"kv_set": {"tp_size": 0}}, chat_body(), 502, "invalid_prefill_handoff"),
     ("forbidden-target", {"x-prefiller-host-port": "169.254.169.254:80"}, None, chat_body(), 403,
@@ -118,7 +119,7 @@ def test_a_fallback_is_not_timed_as_pd(fb: Stack) -> None:
     ids = ("5a1e0000-0000-4000-8000-0000000fa11a", "5a1e0000-0000-4000-8000-0000000fa11b")
     raw = json.dumps(chat_body(max_tokens=2)).encode()
     response = post(fb, CHAT, raw, **{"x-prefiller-host-port": f"127.0.0.1:{closed_port()}", "x-request-id": ids[0]})
-    assert_served_whole(fb, response, raw)
+    assert_served_whole(fb, response, raw, "prefill_upstream_unavailable")
     fb.reset()
     assert post(fb, CHAT, chat_body(max_tokens=2), **{"x-request-id": ids[1]}).headers["x-emulator-worker"] == "decode"
     envoy_logged(fb, *ids)
@@ -134,5 +135,5 @@ def test_tensorrt_llms_generation_worker_serves_a_fallback_whole(tmp_path: Path)
         stack.prefill.script({"status": 500})
         raw = json.dumps(completion_body(max_tokens=4)).encode()
         response = post(stack, COMPLETIONS, raw)
-        assert_served_whole(stack, response, raw)
+        assert_served_whole(stack, response, raw, "prefill_upstream_error")
         assert "disaggregated_params" not in only(stack.decode.requests())["json"]

@@ -254,6 +254,23 @@ def test_client_override_headers_for_our_fields_reach_neither_leg(overriding_sta
     assert "x-override-routed-dp-rank" not in dict(prefill["headers"])
 
 
+def test_override_headers_never_reach_a_decode_engine_that_honours_them_on_the_passthrough_route(
+        overriding_stack: Stack) -> None:
+    """Issue 23: without x-prefiller-host-port, a client's x-override-bootstrap-* would point the decode
+    engine (which honours them) at a host and room of the client's choosing. Envoy removes them; the
+    decode worker gets the body byte for byte and none of those headers."""
+    stack = overriding_stack.reset()
+    overrides = {"x-override-bootstrap-host": "127.0.0.1", "x-override-bootstrap-port": "9",
+                 "x-override-bootstrap-room": "7", "x-override-disagg-prefill-dp-rank": "1"}
+    raw = json.dumps(chat_body(max_tokens=2)).encode()
+    with stack.client() as client:
+        client.post(CHAT, content=raw, headers={"content-type": "application/json", **overrides})
+    decode = only(stack.decode.requests())
+    assert not {name for name, _ in decode["headers"]} & overrides.keys()
+    assert stack.decode.raw_body(decode["seq"]) == raw
+    assert stack.prefill.requests() == []
+
+
 def test_client_gone_while_decode_waits_cancels_the_prefill_request(sg: Stack) -> None:
     """Decode is waiting for the room, prefill has not registered it; the client leaves. Envoy resets
     our stream, the background prefill request is cancelled and the prefill worker sees it close."""

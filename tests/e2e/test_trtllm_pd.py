@@ -169,8 +169,15 @@ def test_context_worker_down_is_502_and_generation_never_runs(trt: Stack) -> Non
 
 
 def test_context_worker_error_status_is_kept_and_generation_never_runs(trt: Stack) -> None:
+    """trtllm-serve's own 400 (create_error_response: a top-level ErrorResponse) reaches the client as
+    trtllm-serve put it; a 401 is ours."""
     trt.prefill.script({"status": 400})
-    assert_error(post(trt, CHAT, chat_body()), 400, "prefill_upstream_error")
+    response = post(trt, CHAT, chat_body())
+    assert response.status_code == 400
+    assert response.json() == {"object": "error", "message": "emulated failure", "type": "BadRequestError",
+                               "param": None, "code": 400}
+    trt.prefill.script({"status": 401})
+    assert_error(post(trt, CHAT, chat_body()), 401, "prefill_upstream_error")
     assert trt.decode.requests() == []
 
 

@@ -39,8 +39,9 @@ PRODUCER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine
 
 
 def test_c01_no_prefill_header_passes_through_byte_for_byte_without_calling_us(stack: Stack) -> None:
-    """C01: without x-prefiller-host-port, decode gets the client's exact bytes and our server is not called."""
-    raw = b'{"model": "emulated",  "prompt": "hi", "max_tokens": 3, "kv_transfer_params": {"x": 1}}'
+    """C01: without x-prefiller-host-port, decode gets the client's exact bytes and our server is not called
+    (a steering field is refused there: test_contract.py; the {} some SDKs send is not one)."""
+    raw = b'{"model": "emulated",  "prompt": "hi", "max_tokens": 3, "kv_transfer_params": {}}'
     streams_before = ext_proc_streams(stack)
     with stack.client() as client:
         response = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})

@@ -36,7 +36,7 @@ from tests.realvllm.vllm_site.sitecustomize import APPLIED_MARKER, PROGRESS_DELA
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Environment knobs (documented in README.md, "The real-engine stage").
+# Environment knobs (documented in docs/testing.md, "The real-engine stage").
 ENV_PREFILL = "PD_REALVLLM_PREFILL"
 ENV_DECODE = "PD_REALVLLM_DECODE"
 ENV_MODEL = "PD_REALVLLM_MODEL"

@@ -209,3 +209,28 @@ def test_g06_n_2_is_refused_with_400_before_either_worker(real_pd: RealPd) -> No
     assert assert_our_error(reply, 400, "unsupported_pd_variant")["param"] == "n"
     assert engine.finished_requests(real_pd.prefill) == prefill_before
     assert engine.finished_requests(real_pd.decode) == decode_before
+
+
+def test_g07_passthrough_refuses_a_client_kv_producer_request_before_decode(real_pd: RealPd) -> None:
+    """G07 (issue 23): without the header, a body asking the decode worker to act as a KV producer
+    (do_remote_decode: compute the prompt and lease its KV) is refused by Envoy; the real decode
+    engine finishes no request."""
+    body = request_body(COMPLETIONS, real_pd.model, "G07 lease me some KV",
+                        kv_transfer_params={"do_remote_decode": True})
+    decode_before = engine.finished_requests(real_pd.decode)
+    reply = real_pd.through_envoy(COMPLETIONS, body, {})
+    assert assert_our_error(reply, 400, "reserved_request_field")["param"] == "kv_transfer_params"
+    assert engine.finished_requests(real_pd.decode) == decode_before, "decode must not run"
+
+
+def test_g07_a_context_length_error_reaches_the_client_as_vllm_said_it(real_pd: RealPd) -> None:
+    """G07 (issue 23): a prompt over --max-model-len (512): the prefill engine's own 400 reaches the
+    client through P/D exactly as the decode engine answers the same request directly."""
+    body = request_body(COMPLETIONS, real_pd.model, "word " * 2000)
+    decode_before = engine.finished_requests(real_pd.decode)
+    reply = real_pd.through_envoy(COMPLETIONS, body, {"x-prefiller-host-port": real_pd.prefill.address})
+    direct = send(real_pd.decode.http, COMPLETIONS, body)
+    assert (reply.status, reply.media_type) == (direct.status, direct.media_type) == (400, "application/json")
+    assert reply.json() == direct.json()
+    assert "maximum context length" in reply.json()["error"]["message"]
+    assert engine.finished_requests(real_pd.decode) == decode_before, "neither request reached the decode engine"

@@ -57,3 +57,18 @@ def test_edits_on_bytes_equal_edits_on_the_parsed_object(obj: dict[str, Any], in
     expected = {k: v for k, v in obj.items() if k not in dropped}
     expected["appended\u00e9"] = {"v": [1, 2.5]}
     assert json.loads(out) == json.loads(json.dumps(expected))
+
+
+def test_orjson_measured_values_and_the_scanner_agree(monkeypatch: Any) -> None:
+    """Nested values are measured by orjson when short and ASCII, by the scanner otherwise: same spans."""
+    documents = [
+        b'{"a" : {"x": [1, {"y": "]}"}]}\n ,"b":[[], {}],"c\\"": "v", "d": {"e": "\\u00e9\\"}"}}',
+        '{"ascii": [1], "non-ascii": {"k": "é]}"}, "after": []}'.encode(),
+        b'{"long": [' + b'"0123456789",' * 10000 + b'1], "z": {"q": 1}}',  # longer than the window
+        b'{"deep": ' + b"[" * 300 + b"]" * 300 + b' , "tail" : {} }',
+    ]
+    measured = [[(m.name, m.start, m.value_start, m.end) for m in jsonspan.members(d)] for d in documents]
+    monkeypatch.setattr(jsonspan, "_WINDOW", 0)  # nothing is measured: the scanner alone
+    scanned = [[(m.name, m.start, m.value_start, m.end) for m in jsonspan.members(d)] for d in documents]
+    assert measured == scanned
+    assert [m[0] for m in measured[1]] == ["ascii", "non-ascii", "after"]

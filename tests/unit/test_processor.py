@@ -111,6 +111,12 @@ def rig(adapter: Adapter, limit: int = 4, fallback: bool = False) -> Rig:
     return Rig(processor, transport, admission, metrics, background)
 
 
+def inflight_gauge(r: Rig) -> float:
+    (value,) = [sample.value for metric in r.metrics.registry.collect()
+                if metric.name == "pd_extproc_inflight_requests" for sample in metric.samples]
+    return value
+
+
 def head(path: str = "/v1/chat/completions", **headers: str) -> msg.RequestHead:
     return msg.RequestHead(path, (("x-prefiller-host-port", PREFILL), ("content-type", "application/json"),
                                   *headers.items()))
@@ -252,9 +258,11 @@ def test_a_background_prefill_holds_its_slot_until_it_ends() -> None:
         decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
         assert decode_body["rid"] == "pd-0000000000001234" and decode_body["bootstrap_room"] == 1 + 0x1234
         assert r.admission.inflight == 1, "the slot is held while the prefill runs"
+        assert inflight_gauge(r) == 1.0
         release.set()
         await outcome.background.task
         assert r.admission.inflight == 0 and len(r.background) == 0 and r.outcomes() == {"ok": 1.0}
+        assert inflight_gauge(r) == 0.0
         (call,) = r.transport.calls
         assert call.bounds == Bounds(SglangAdapter().prefill_deadline, SglangAdapter().prefill_deadline)
 

@@ -240,7 +240,7 @@ def test_context_errors_are_the_prefill_legs_errors() -> None:
 
 # --- the generation request's signature (disagg_auth.py, PR #16002) ---------------------------------
 
-# Vectors computed with the algorithm of tensorrt_llm/serve/disagg_auth.py (research/trtllm notes):
+# Vectors computed with the algorithm of TensorRT-LLM's tensorrt_llm/serve/disagg_auth.py (PROTOCOL.md §4c):
 # key "secret", payload {"ctx_info_endpoint", "encoded_opaque_state"} as sorted compact JSON.
 @pytest.mark.parametrize("params,expected", [
     ({"ctx_info_endpoint": None, "encoded_opaque_state": "b3BhcXVl"},
