@@ -151,6 +151,17 @@ bench-tools: $(VENV)/.installed
 bench: install $(BENCH_VENV)/.installed bench-tools
 	$(BIN)/python -m bench
 
+# The soak (issue 27; docs: bench/soak.py, results: bench/SOAK.md): the real stack under a mixed load
+# and scheduled faults for SOAK_MINUTES, niced, loopback only. Not part of `make test`, which runs the
+# one-minute version (tests/soak).
+SOAK_MINUTES ?= 60
+SOAK_RATE ?= 6
+SOAK_ENGINE ?= vllm
+.PHONY: soak
+soak: install
+	nice -n 10 $(BIN)/python -m bench.soak --engine $(SOAK_ENGINE) --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE) \
+		--seed 27 --json bench/soak-$(SOAK_ENGINE).json
+
 clean:
 	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
 		$(TINY_MODEL) deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \

@@ -8,4 +8,7 @@ workers are never the bottleneck (a run is invalid unless direct decode reaches 
 proxy), and emulated vLLM workers with a KV ledger for the second table. The load generator is wrk, and
 the measurement points of all systems are interleaved round by round so machine noise falls on all of
 them alike. See bench/RESULTS.md.
+
+The soak (bench/soak.py, ``make soak``; results in bench/SOAK.md) is separate: the stack under a mixed
+load and scheduled faults for an hour, checked for leaks and undocumented answers, not timed.
 """

@@ -135,6 +135,10 @@ class ExtProcServer:
             fallback=settings.prefill_fallback == "aggregated",
             serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
         )
+        self.metrics.admitted.set_function(lambda: self.admission.inflight)
+        self.metrics.background_prefills.set_function(lambda: len(self.background))
+        self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
+        self.metrics.prefill_idle_connections.set_function(self.prefill.idle_connections)
         self.health = HealthServicer()
         self.http = HttpServer(self._http)
         self.metrics_port = 0

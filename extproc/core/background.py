@@ -25,6 +25,8 @@ class BackgroundPrefill:
     decode_answered: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the task when the prefill leg failed: the client gets this error instead of decode's answer.
     failure: PdError | None = None
+    # Set by the stream when decode answered an error and the prefill was then ended: decode's status.
+    abandoned_after_decode: int | None = None
     task: Task = field(init=False)  # set by BackgroundPrefills.start
 
 

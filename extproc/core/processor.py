@@ -249,6 +249,12 @@ class PdProcessor:
                     await asyncio.shield(handle.task)
         if handle.failure is not None:
             return error_response(handle.failure)
+        if status >= 400 and not handle.task.done():
+            # Decode failed and its answer goes to the client: nobody will claim what the prefill holds,
+            # and it would wait for a claim until its engine's bootstrap timeout (SGLang: 300 s) with our
+            # admission slot, a prefill connection and its KV. Closing our request aborts it there.
+            handle.abandoned_after_decode = status
+            handle.task.cancel()
         return msg.continue_response_headers()
 
     async def _background_prefill(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
@@ -269,7 +275,10 @@ class PdProcessor:
             self._finish(record, error.code.value, error.status)
             return
         except asyncio.CancelledError:
-            self._finish(record, "cancelled", 499)
+            if handle.abandoned_after_decode is not None:  # decode's own error was the answer, as with
+                self._finish(record, "ok", handle.abandoned_after_decode)  # the sequential engines
+            else:
+                self._finish(record, "cancelled", 499)
             raise
         except Exception:
             log.exception("bug in the P/D processor", extra={"request_id": record.request_id})

@@ -76,6 +76,16 @@ class Metrics:
             ["adapter", "reason"], registry=self.registry)
         self.inflight = Gauge("pd_extproc_inflight_requests", "P/D requests currently in this server.",
                               registry=self.registry)
+        # What a request must give back when it ends (issue 27's soak reads them at rest: all 0 but the pool).
+        self.admitted = Gauge("pd_extproc_admission_slots_in_use",
+                              "Admission slots held (PD_EXTPROC_MAX_INFLIGHT counts these).", registry=self.registry)
+        self.background_prefills = Gauge(
+            "pd_extproc_background_prefills", "Concurrent-flow prefill tasks still running.", registry=self.registry)
+        self.loop_tasks = Gauge("pd_extproc_event_loop_tasks", "Tasks on the server's event loop.",
+                                registry=self.registry)
+        self.prefill_idle_connections = Gauge(
+            "pd_extproc_prefill_idle_connections", "Idle keep-alive connections in the prefill pool.",
+            registry=self.registry)
         self.fallbacks = Counter(
             "pd_extproc_prefill_fallbacks",
             "P/D requests served whole by the decode worker, by reason: the prefill failure's code, or "

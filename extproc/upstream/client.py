@@ -108,6 +108,9 @@ class WorkerClient:
                 connection.close()
         self._idle.clear()
 
+    def idle_connections(self) -> int:
+        return sum(len(connections) for connections in self._idle.values())
+
     async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
         """The address to connect to, checked against the policy. No connection is made here."""
         if target.ip is not None:

@@ -424,6 +424,12 @@ class SglangEmulator:
             if self.rooms.get(room) is state and not state.registered.is_set():
                 del self.rooms[room]
             return _claim_error(408, f"Request {room} timed out after {wait:.1f}s in KVPoll.WaitingForInput")
+        except asyncio.CancelledError:  # the decode request went away (an abort, its client left): forget
+            # the room it was waiting for, as SGLang's decode drops an aborted receiver's state
+            # (disaggregation/decode.py, _update_handshake_waiters after kv_receiver.abort())
+            if self.rooms.get(room) is state and not state.registered.is_set():
+                del self.rooms[room]
+            raise
         if state.aborted:
             return _claim_error(410, f"Request {room} was aborted by the prefill worker")
         if state.claimed.is_set():

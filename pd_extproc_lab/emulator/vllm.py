@@ -456,6 +456,9 @@ class VllmEmulator:
         return Response(200, b"{}")
 
     def metrics(self) -> str:
+        # vLLM frees an expired lease in its engine loop, not when the next request arrives (NIXL
+        # connector, nixl_connector.py: get_finished() checks _reqs_to_send against each expiry every step).
+        self._reap_leases()
         c = self.counters
         labels = f'{{engine="0",model_name="{self.model}"}}'
         lines = [

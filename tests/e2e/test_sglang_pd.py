@@ -190,6 +190,20 @@ def test_a_failed_prefill_aborts_the_waiting_decode_and_the_client_gets_our_erro
                       and '"decode_aborted":true' in sg.server_log()), "and logged"
 
 
+def test_a_decode_error_ends_the_prefill_request_that_waits_for_its_claim(sg: Stack) -> None:
+    """Decode answers 500 before it claims the room: its answer reaches the client, and the prefill
+    request, which would wait for the claim until SGLang's bootstrap timeout (60 s on this stack, 300 s
+    in the engine) holding an admission slot, is closed at once (found by the soak, bench/SOAK.md)."""
+    before = scrape(sg).get('pd_extproc_requests_total{adapter="sglang",outcome="ok"}', 0.0)
+    sg.decode.script({"status": 500})
+    response = post(sg, CHAT, chat_body(max_tokens=3))
+    assert response.status_code == 500 and "emulated failure" in response.text, "decode's own answer"
+    assert sg.prefill.wait("disconnected", timeout=10), "the prefill request must be closed, not left waiting"
+    assert eventually(lambda: scrape(sg).get("pd_extproc_admission_slots_in_use") == 0.0)
+    assert eventually(lambda: scrape(sg).get(
+        'pd_extproc_requests_total{adapter="sglang",outcome="ok"}', 0.0) == before + 1), "decode's answer: ok"
+
+
 def test_an_abort_that_reaches_decode_before_its_request_is_sent_again(sg: Stack) -> None:
     """SGLang forgets an abort for a rid it does not have yet. The prefill fails at once and decode
     receives its request later; the abort is repeated until decode has answered."""
