@@ -23,7 +23,8 @@ from extproc.units import parse_address
 from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec
 from pd_extproc_lab.stack import RunningStack, start_stack
 
-__all__ = ["REPO", "TEST_DEFAULTS", "Stack", "Worker", "WorkerSpec", "engine_workers", "envoy_bin", "running_stack"]
+__all__ = ["REPO", "TEST_DEFAULTS", "Stack", "Worker", "WorkerSpec", "engine_workers", "envoy_bin", "log_tails",
+           "running_stack"]
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 90  # seconds a child may take to start on a loaded 2-core CI machine
@@ -42,6 +43,15 @@ def engine_workers(engine: str = "vllm", args: tuple[str, ...] = ()) -> tuple[Wo
 
 
 DEFAULT_WORKERS = engine_workers()
+
+
+def log_tails(log_dir: Path) -> str:
+    """The last 60 lines of every child's log in ``log_dir``, for a failed test's report."""
+    parts = []
+    for path in sorted(log_dir.glob("*.log")):
+        text = path.read_text(errors="replace")
+        parts.append(f"----- {path.name} (last 60 lines)\n" + "\n".join(text.splitlines()[-60:]))
+    return "\n".join(parts)
 
 
 def envoy_bin() -> str:
@@ -82,11 +92,7 @@ class Stack(RunningStack):
         return self
 
     def logs(self) -> str:
-        parts = []
-        for path in sorted(self.log_dir.glob("*.log")):
-            text = path.read_text(errors="replace")
-            parts.append(f"----- {path.name} (last 60 lines)\n" + "\n".join(text.splitlines()[-60:]))
-        return "\n".join(parts)
+        return log_tails(self.log_dir)
 
     def server_log(self) -> str:
         assert self.server is not None

@@ -80,14 +80,19 @@ def ext_proc_streams(stack: Stack) -> int:
     return sum(int(line.rsplit(":", 1)[1]) for line in stats.splitlines() if line.strip())
 
 
-def scrape(stack: Stack) -> dict[str, float]:
-    """Our server's metric samples as {"name{labels}": value}."""
+def metric_samples(metrics_url: str) -> dict[str, float]:
+    """A pd-extproc server's metric samples as {"name{labels}": value}."""
     samples = {}
-    for line in httpx.get(stack.metrics_url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(metrics_url + "/metrics", timeout=10).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def scrape(stack: Stack) -> dict[str, float]:
+    """Our server's metric samples as {"name{labels}": value}."""
+    return metric_samples(stack.metrics_url)
 
 
 def envoy_logged(stack: Stack, *request_ids: str) -> None:

@@ -23,7 +23,8 @@ from pd_extproc_lab.process import Child, EnvoyProcess, python_child
 from pd_extproc_lab.stack import settings_env, without_settings
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT, gateway_bootstrap
 from tests.gateway.picker import Pick, PickerProcess
-from tests.harness import READY_TIMEOUT, REPO, TEST_DEFAULTS, envoy_bin
+from tests.harness import READY_TIMEOUT, REPO, TEST_DEFAULTS, envoy_bin, log_tails
+from tests.helpers import metric_samples
 
 DECODES = ("decode-a", "decode-b", "decode-c")
 REPLICAS = 2
@@ -42,12 +43,7 @@ class Replica:
         self.metrics_url = f"http://127.0.0.1:{line['metrics']}"
 
     def scrape(self) -> dict[str, float]:
-        samples = {}
-        for text in httpx.get(self.metrics_url + "/metrics", timeout=10).text.splitlines():
-            if text and not text.startswith("#"):
-                name, value = text.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return metric_samples(self.metrics_url)
 
 
 @dataclasses.dataclass
@@ -100,11 +96,7 @@ class GatewayStack:
         return self.envoy_stat(f"http.http-10080.ext_proc.{PICKER_STAT}.streams_started")
 
     def logs(self) -> str:
-        parts = []
-        for path in sorted(self.log_dir.glob("*.log")):
-            text = path.read_text(errors="replace")
-            parts.append(f"----- {path.name} (last 60 lines)\n" + "\n".join(text.splitlines()[-60:]))
-        return "\n".join(parts)
+        return log_tails(self.log_dir)
 
     def restart(self, replica: Replica) -> None:
         """Start a stopped replica again on the same gRPC port (Envoy's cluster names it)."""
