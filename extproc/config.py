@@ -200,11 +200,6 @@ def specs() -> tuple[SettingSpec, ...]:
 
 
 @cache
-def _spec_by_name() -> dict[str, SettingSpec]:
-    return {spec.name: spec for spec in specs()}
-
-
-@cache
 def _spec_by_env() -> dict[str, SettingSpec]:
     return {spec.env: spec for spec in specs()}
 
