@@ -148,8 +148,12 @@ class Disabled:
     refused with 501 pd_adapter_unavailable before any leg; the passthrough route is untouched."""
 
     name: str = "none"
+    reserved_fields: tuple[ReservedField, ...] = ()
+    reserved_headers: frozenset[str] = frozenset()
     discovery_headers: tuple[tuple[str, str], ...] = ()
     server_info_keys: tuple[str, ...] = ()
+
+
 Options = Mapping[str, Any]
 
 

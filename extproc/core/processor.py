@@ -126,6 +126,11 @@ class PdProcessor:
         # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
         metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name
+        # What the adapter's route owns, once for the processor's life: the fields its own check refuses
+        # (the steering check skips them) and the headers no leg receives from a client.
+        self._own_fields = frozenset(field.name for field in adapter.reserved_fields)
+        self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
+        self._stripped_sorted = tuple(sorted(self._stripped_headers))
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
     # --- the two ext_proc phases -------------------------------------------------------------------
@@ -164,7 +169,7 @@ class PdProcessor:
             request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes,
                                            allow_unsupported=True)
             refuse_reserved(request.body, adapter.reserved_fields)
-            refuse_steering(request.body, frozenset(field.name for field in adapter.reserved_fields))
+            refuse_steering(request.body, self._own_fields)
             if request.unsupported is not None:
                 if not (self._serve_unsupported and isinstance(adapter, SequentialAdapter)):
                     refuse_unsupported(request)
@@ -205,13 +210,13 @@ class PdProcessor:
     async def _run_sequential(self, adapter: SequentialAdapter, head: msg.RequestHead, request: ClientRequest,
                               target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
         prefill_body = adapter.prefill_body(request, await self._plan_input(adapter, target))
-        reply = await self._post_prefill(adapter, head, request, target, prefill_body, record)
+        reply = await self._post_prefill(head, request, target, prefill_body, record)
         decision = adapter.decide(request, reply)
         if isinstance(decision, AnswerDirectly):
             record.outcome = "answered_by_prefill"
             return msg.immediate(decision.status, decision.body, "pd_answered_by_prefill",
                                  content_type=decision.content_type.encode())
-        return self._decode_reply(adapter, decision)
+        return self._decode_reply(decision)
 
     def _fall_back(self, adapter: Adapter, request: ClientRequest, record: RequestRecord,
                    error: PdError, adapter_body: bool = True) -> pb.ProcessingResponse:
@@ -221,7 +226,7 @@ class PdProcessor:
         record.outcome, record.fallback_reason = "prefill_fallback", reason
         self._metrics.fallbacks.labels(record.adapter, reason).inc()
         decision = adapter.aggregated(request) if adapter_body else DecodeWith(request.raw)
-        return self._decode_reply(adapter, decision, metadata={"fallback": f"aggregated; reason={reason}"})
+        return self._decode_reply(decision, metadata={"fallback": f"aggregated; reason={reason}"})
 
     async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
@@ -235,7 +240,7 @@ class PdProcessor:
         handle = self._background.start(
             lambda handle: self._background_prefill(adapter, head, request, target, record, plan, handle),
             lambda finished: self._background_done(finished, record))
-        return BodyOutcome(self._decode_reply(adapter, plan.decode), handle)
+        return BodyOutcome(self._decode_reply(plan.decode), handle)
 
     async def on_decode_answer(self, handle: BackgroundPrefill, status: int) -> pb.ProcessingResponse:
         """Decode's response headers arrived. If the prefill leg failed, the client gets that error
@@ -261,7 +266,7 @@ class PdProcessor:
                                   target: ResolvedTarget, record: RequestRecord, plan: ConcurrentPlan,
                                   handle: BackgroundPrefill) -> None:
         try:
-            reply = await self._post_prefill(adapter, head, request, target, plan.prefill_body, record,
+            reply = await self._post_prefill(head, request, target, plan.prefill_body, record,
                                              Bounds(adapter.prefill_deadline, adapter.prefill_deadline))
             adapter.check_prefill(reply)
         except PdError as error:
@@ -326,10 +331,10 @@ class PdProcessor:
         checked = WorkerAddress(host=str(target.ip), port=target.target.port, ip=target.ip)
         return PlanInput(checked, self._nonce(), server_info)
 
-    async def _post_prefill(self, adapter: Adapter, head: msg.RequestHead, request: ClientRequest,
+    async def _post_prefill(self, head: msg.RequestHead, request: ClientRequest,
                             target: ResolvedTarget, body: bytes, record: RequestRecord,
                             bounds: Bounds | None = None) -> WorkerReply:
-        headers = prefill_headers(head.headers, adapter.reserved_headers | STEERING_HEADER_NAMES)
+        headers = prefill_headers(head.headers, self._stripped_headers)
         if record.trace is None:
             return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
         headers = record.trace.start_prefill(headers)
@@ -338,10 +343,10 @@ class PdProcessor:
         finally:
             record.trace.end_prefill(record.prefill.status)
 
-    def _decode_reply(self, adapter: Adapter, decision: DecodeWith,
+    def _decode_reply(self, decision: DecodeWith,
                       metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
         overridden = {name for name, _ in decision.headers}
-        remove = sorted(name for name in adapter.reserved_headers | STEERING_HEADER_NAMES if name not in overridden)
+        remove = [name for name in self._stripped_sorted if name not in overridden]
         return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
 
     def _leave(self) -> None:
