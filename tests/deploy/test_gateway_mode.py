@@ -17,6 +17,7 @@ from deploy import crd_schema, validate
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
+from extproc.envoy.guard import lua_source
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
 
@@ -281,6 +282,24 @@ def test_the_picker_backend_is_the_picker_service_of_k8s_epp(manifests: Any) -> 
     assert port["appProtocol"] == "kubernetes.io/h2c"
 
 
+def test_the_policy_carries_the_client_guard_generated_from_its_source() -> None:
+    """One source of truth: the Lua Envoy Gateway reads for pd-route is extproc/envoy/guard.py's."""
+    objects = rendered(GATEWAY_MODE)
+    policy = objects.get("EnvoyExtensionPolicy", "pd-extproc-chain")
+    (lua,) = policy["spec"]["lua"]
+    assert lua["type"] == "ValueRef" and lua["valueRef"]["kind"] == "ConfigMap" and lua["valueRef"]["group"] == ""
+    assert eg_lua_source(objects, policy["metadata"]["namespace"], lua) == lua_source()
+    assert "filterContext" not in lua
+
+
+def test_envoy_gateway_runs_the_guard_before_both_ext_procs() -> None:
+    """Lua sorts at 13 + index, ext_proc at 100 + index (httpfilters.go:131-134 @ v1.9.0): the guard reads the
+    client's body before the picker, never pd-extproc's rewritten P/D body."""
+    assert eg_filter_order(f"{LUA_FILTER}/envoyextensionpolicy/llm/p/lua/0") < eg_filter_order(
+        f"{EXT_PROC_FILTER}/envoyextensionpolicy/llm/p/extproc/0")
+    assert len(rendered(GATEWAY_MODE).get("EnvoyExtensionPolicy", "pd-extproc-chain")["spec"]["lua"]) < 100 - 13
+
+
 def test_pd_extproc_processing_mode_is_the_sidecars() -> None:
     ours = _extprocs()[1]
     # request headers SEND and a BUFFERED body; no `response`: response headers SKIP, body NONE.
@@ -508,6 +527,34 @@ def _static_cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
     return cluster
 
 
+LUA_FILTER = "envoy.filters.http.lua"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+
+
+def eg_filter_order(name: str) -> int:
+    """Envoy Gateway's sort key for the filters this shape has (internal/xds/translator/httpfilters.go:131-134,
+    159 @ v1.9.0: Lua 13 + index, ext_proc 100 + index, the index being the name's last segment, :356;
+    the router 310), ties broken by name (:175-176)."""
+    index = int(name.rsplit("/", 1)[-1]) if "/" in name else 0
+    if name.startswith(LUA_FILTER):
+        return 13 + index
+    if name.startswith(EXT_PROC_FILTER):
+        return 100 + index
+    assert name == "envoy.filters.http.router", name
+    return 310
+
+
+def eg_lua_source(objects: Rendered, namespace: str, lua: dict[str, Any]) -> str:
+    """A Lua entry's code as Envoy Gateway reads it (envoyextensionpolicy.go buildLua, :1342-1392: inline, or
+    the ConfigMap's key `lua`, else its first value)."""
+    if lua.get("type", "Inline") == "Inline":
+        return str(lua["inline"])
+    configmap = objects.get("ConfigMap", lua["valueRef"]["name"])
+    assert configmap["metadata"]["namespace"] == namespace
+    data: dict[str, str] = configmap["data"]
+    return data["lua"] if "lua" in data else next(iter(data.values()))
+
+
 def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
     """The listener, route and clusters Envoy Gateway renders for pd-route with these policies (by hand,
     after its translator; endpoints are placeholders)."""
@@ -518,6 +565,15 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
     route_name = f"httproute/{ns}/{route['metadata']['name']}/rule/0/match/0/*"
     backend_cluster = f"httproute/{ns}/{route['metadata']['name']}/rule/0"
     filters, clusters, enable = [], [], {}
+    # Lua (internal/xds/translator/lua.go @ v1.9.0): one filter per entry named <type>/<policy>/lua/<index>
+    # (:94-96, envoyextensionpolicy.go:1544), disabled in the connection manager (:85-91), enabled on the
+    # route by an empty FilterConfig when the entry has no filterContext (:137-142).
+    for index, lua in enumerate(policy["spec"].get("lua", [])):
+        filter_name = f"{LUA_FILTER}/envoyextensionpolicy/{ns}/{name}/lua/{index}"
+        filters.append({"name": filter_name, "disabled": True, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": eg_lua_source(objects, ns, lua)}}})
+        enable[filter_name] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
     for index, ext in enumerate(policy["spec"]["extProc"]):
         filter_name = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{ns}/{name}/extproc/{index}"
         (ref,) = ext["backendRefs"]
@@ -558,8 +614,9 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
                "route": {"cluster": backend_cluster, "timeout": "0s"},
                "request_headers_to_remove": rule["filters"][0]["requestHeaderModifier"]["remove"],
                "typed_per_filter_config": enable}]}]},
-           "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
-               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+           "http_filters": sorted([*filters, {"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+               key=lambda f: (eg_filter_order(f["name"]), f["name"]))}
     listener = {"name": f"{ns}/{route['spec']['parentRefs'][0]['name']}/http",
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
                 "per_connection_buffer_limit_bytes": _quantity_bytes(client["connection"]["bufferLimit"]),
@@ -572,8 +629,8 @@ def test_what_envoy_gateway_renders_from_these_objects_is_a_valid_envoy_config()
     bootstrap = envoy_gateway_shape(rendered(GATEWAY_MODE))
     names = [f["name"] for f in bootstrap["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0][
         "typed_config"]["http_filters"]]
-    assert names[-1] == "envoy.filters.http.router" and names[0].endswith("/extproc/0") and names[1].endswith(
-        "/extproc/1")
+    assert names[-1] == "envoy.filters.http.router"
+    assert [n.rsplit("/", 2)[-2:] for n in names[:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
     assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) == []
 
 
