@@ -17,7 +17,8 @@ from deploy import crd_schema, validate
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
-from extproc.envoy.guard import lua_source
+from extproc.envoy.guard import lua_source, stripped_headers
+from extproc.envoy.parts import early_header_mutation
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
 
@@ -339,6 +340,10 @@ def test_a_clients_picker_headers_are_removed_before_any_filter() -> None:
     assert policy["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway}]
     removed = set(policy["headers"]["earlyRequestHeaders"]["remove"])
     assert PICKER_HEADERS | {"x-data-parallel-rank", DESTINATION_HEADER} <= removed
+    # Everything the drop-in parts remove early, the engines' steering headers included (only pd-extproc
+    # may send one to an engine).
+    parts = {m["remove"] for m in early_header_mutation()["typed_config"]["mutations"]}
+    assert parts <= removed and set(stripped_headers()) <= removed
     assert "x-data-parallel-rank" in DATA_PARALLEL_RANKS
 
 

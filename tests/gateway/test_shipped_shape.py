@@ -172,6 +172,16 @@ def test_a_clients_own_picker_headers_are_removed_before_the_picker(shipped: Gat
     assert not set(spoofed) & set(shipped.picker.seen()[-1])
 
 
+def test_a_clients_steering_headers_are_removed_before_the_picker(shipped: GatewayStack) -> None:
+    shipped.pick("decode-a", pd=False)
+    spoofed = {"x-override-bootstrap-host": "10.0.0.9", "x-trtllm-disagg-auth": "forged"}
+    with shipped.client() as client:
+        response = client.post(CHAT, content=json.dumps(chat_body(max_tokens=2)), headers={**JSON, **spoofed})
+    assert response.status_code == 200
+    assert not set(spoofed) & set(shipped.picker.seen()[-1])
+    assert not set(spoofed) & set(dict(only(shipped.decode("decode-a").requests())["headers"]))
+
+
 def test_pd_extproc_down_is_a_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
     """What ships today: without the connection manager's local_reply_config (Envoy Gateway exposes none
     per route; docs/gateway-chains.md) the 503 has Envoy's own body, not our JSON; and without the
