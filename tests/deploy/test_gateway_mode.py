@@ -136,6 +136,78 @@ def test_the_envoy_gateway_variant_has_every_kind_the_design_needs() -> None:
     assert ("networking.istio.io", "EnvoyFilter") in rendered(ISTIO).kinds()
 
 
+def _references(pod: dict[str, Any]) -> set[tuple[str, str]]:
+    """The (kind, name) of every ConfigMap, Secret and ServiceAccount a pod spec needs to start (optional
+    Secrets aside)."""
+    refs: set[tuple[str, str]] = set()
+    if "serviceAccountName" in pod:
+        refs.add(("ServiceAccount", pod["serviceAccountName"]))
+    for volume in pod.get("volumes", []):
+        if "configMap" in volume:
+            refs.add(("ConfigMap", volume["configMap"]["name"]))
+    for container in pod["containers"] + pod.get("initContainers", []):
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                refs.add(("ConfigMap", source["configMapRef"]["name"]))
+        for env in container.get("env", []):
+            key_ref = env.get("valueFrom", {}).get("configMapKeyRef")
+            if key_ref is not None:
+                refs.add(("ConfigMap", key_ref["name"]))
+    return refs
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_apply_k_is_the_whole_deployment(root: Path) -> None:
+    """`kubectl apply -k` of a gateway-mode folder needs nothing applied by hand: the namespace, the
+    prefill pods, the picker and every ConfigMap or ServiceAccount a pod reads are in its render."""
+    objects = rendered(root)
+    assert ("Namespace", "llm") in objects.index
+    assert {("Deployment", name) for name in ("pd-prefill", "pd-epp", "pd-decode", "pd-extproc")} <= set(
+        objects.index)
+    for doc in objects.docs:
+        if doc.body["kind"] == "Deployment":
+            missing = _references(doc.body["spec"]["template"]["spec"]) - set(objects.index)
+            assert missing == set(), (doc.body["metadata"]["name"], missing)
+        if doc.body["kind"] != "Namespace":
+            assert doc.body["metadata"]["namespace"] == "llm", doc.label
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_decode_and_prefill_serve_the_one_model(root: Path) -> None:
+    objects = rendered(root)
+    sources = [next(e for e in objects.container(name, "vllm")["env"] if e["name"] == "MODEL")["valueFrom"]
+               for name in ("pd-decode", "pd-prefill")]
+    assert sources[0] == sources[1] and sources[0]["configMapKeyRef"]["name"].startswith("pd-model-")
+
+
+def test_the_shared_pieces_are_one_component_of_both_shapes() -> None:
+    """The sidecar base and gateway mode take the namespace, prefill, picker and model from one place."""
+    component = "prefill-and-picker"
+    for kustomization in (validate.K8S_DIR / "base", GATEWAY_MODE / "core"):
+        listed = yaml.safe_load((kustomization / "kustomization.yaml").read_text())["components"]
+        assert [Path(c).name for c in listed] == [component]
+    assert (validate.K8S_DIR / "components" / component / "kustomization.yaml").exists()
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_the_picker_admits_the_gateway(root: Path) -> None:
+    objects = rendered(root)
+    picker_labels = objects.get("Deployment", "pd-epp")["spec"]["template"]["metadata"]["labels"]
+    gateway = objects.get("Gateway", "pd-gateway")
+    peers = []
+    for doc in objects.docs:
+        spec = doc.body["spec"] if doc.body["kind"] == "NetworkPolicy" else None
+        if spec is None or not spec["podSelector"]["matchLabels"].items() <= picker_labels.items():
+            continue
+        for rule in spec.get("ingress", []):
+            if {"protocol": "TCP", "port": 9002} in rule.get("ports", []):
+                peers += [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    # Each implementation's label on the Gateway's data-plane pods (network-policy.yaml's header).
+    label = {"eg": "gateway.envoyproxy.io/owning-gateway-name",
+             "istio": "gateway.networking.k8s.io/gateway-name"}[gateway["spec"]["gatewayClassName"]]
+    assert {label: gateway["metadata"]["name"]} in peers
+
+
 # ------------------------------------------------------------------------------- planted errors (CRDs)
 
 def _set(path: tuple[str | int, ...], value: Any) -> Callable[[dict[str, Any]], None]:
