@@ -19,6 +19,7 @@ from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
 from extproc.envoy.guard import lua_source, stripped_headers
 from extproc.envoy.parts import early_header_mutation
+from extproc.errors import SPEC, Code, error_body
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
 
@@ -33,6 +34,8 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 ENVOY_DEFAULT_MESSAGE_TIMEOUT = 0.2
 ISTIO_ROUTER = "envoy.filters.http.router"
 ISTIO_PICKER_FILTER = "envoy.filters.http.ext_proc"  # pilot/pkg/xds/filters/filters.go @ 1.28.0
+# Envoy Gateway: pd-extproc's statusOnError, which the route's responseOverride turns into our JSON 503.
+UNREACHABLE_MARK = 510
 
 
 class Rendered:
@@ -382,7 +385,22 @@ def test_pd_extproc_processing_mode_is_the_sidecars() -> None:
 def test_pd_extproc_failures_are_refused_never_passed_through() -> None:
     ours = _extprocs()[1]
     assert ours["failOpen"] is False
-    assert ours["statusOnError"] == 503
+    assert ours["statusOnError"] == UNREACHABLE_MARK
+
+
+def test_pd_extproc_unreachable_becomes_our_json_503_and_nothing_else_is_rewritten() -> None:
+    """statusOnError marks Envoy's reply with a status no other local reply of the route has; the route's
+    responseOverride turns exactly that (source Local: never an engine's answer) into our JSON error."""
+    (override,) = rendered(GATEWAY_MODE).get("BackendTrafficPolicy", "pd-decode-endpoint-override")["spec"][
+        "responseOverride"]
+    assert override["match"] == {"statusCodes": [{"type": "Value", "value": UNREACHABLE_MARK}]}
+    assert override["source"] == "Local"
+    spec = SPEC[Code.PD_EXTPROC_UNAVAILABLE]
+    assert override["response"] == {"statusCode": spec.status, "contentType": "application/json", "body": {
+        "type": "Inline", "inline": error_body(Code.PD_EXTPROC_UNAVAILABLE).decode()}}
+    assert "%" not in override["response"]["body"]["inline"]  # Envoy reads the body as a format string
+    # Nothing pd-extproc or Envoy answers on its own uses the mark (a prefill engine's own 510 aside).
+    assert UNREACHABLE_MARK not in {s.status for s in SPEC.values()}
 
 
 def test_the_message_timeout_outlasts_the_prefill_deadline() -> None:
@@ -475,7 +493,9 @@ def test_istios_ext_proc_settings_match_envoy_gateways() -> None:
     config = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
     ours = _extprocs()[1]
     assert config["failure_mode_allow"] is False and ours["failOpen"] is False
-    assert config["status_on_error"] == {"code": ours["statusOnError"]}
+    # Istio has no responseOverride: its status is the one Envoy Gateway's override answers.
+    assert config["status_on_error"] == {"code": SPEC[Code.PD_EXTPROC_UNAVAILABLE].status}
+    assert ours["statusOnError"] == UNREACHABLE_MARK
     assert parse_duration(config["message_timeout"]) == parse_duration(ours["messageTimeout"])
     assert config["allow_mode_override"] is ours["processingMode"]["allowModeOverride"]
     assert config["processing_mode"] == {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
@@ -606,12 +626,15 @@ def _static_cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
 
 LUA_FILTER = "envoy.filters.http.lua"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+CUSTOM_RESPONSE_FILTER = "envoy.filters.http.custom_response"
 
 
 def eg_filter_order(name: str) -> int:
-    """Envoy Gateway's sort key for the filters this shape has (internal/xds/translator/httpfilters.go:131-134,
-    159 @ v1.9.0: Lua 13 + index, ext_proc 100 + index, the index being the name's last segment, :356;
-    the router 310), ties broken by name (:175-176)."""
+    """Envoy Gateway's sort key for the filters this shape has (internal/xds/translator/httpfilters.go:101-102,
+    131-134, 159 @ v1.9.0: custom_response 0, Lua 13 + index, ext_proc 100 + index, the index being the
+    name's last segment, :356; the router 310), ties broken by name (:175-176)."""
+    if name.startswith(CUSTOM_RESPONSE_FILTER):
+        return 0
     index = int(name.rsplit("/", 1)[-1]) if "/" in name else 0
     if name.startswith(LUA_FILTER):
         return 13 + index
@@ -619,6 +642,43 @@ def eg_filter_order(name: str) -> int:
         return 100 + index
     assert name == "envoy.filters.http.router", name
     return 310
+
+
+_STATUS_INPUT = {"name": "http-response-status-code-match-input", "typed_config": {
+    "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseStatusCodeMatchInput"}}
+_LOCAL_REPLY_INPUT = {"name": "http-response-local-reply-match-input", "typed_config": {
+    "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseLocalReplyMatchInput"}}
+
+
+def eg_custom_response(ns: str, policy: str, overrides: list[dict[str, Any]]) -> dict[str, Any]:
+    """A BackendTrafficPolicy's responseOverride as Envoy Gateway renders it (internal/xds/translator/
+    custom_response.go @ v1.9.0: one filter per policy, disabled in the HCM, :81-102; rules in order, a
+    status Value as an exact match on the status input, :270-318; `source` Local/Backend ANDs the local-reply
+    input, :139-147, :369-403; the response as a LocalResponsePolicy, :561-590). Only what this shape uses."""
+    matchers = []
+    for index, override in enumerate(overrides):
+        (code,) = override["match"]["statusCodes"]
+        assert code["type"] == "Value" and "responseHeaders" not in override["match"]
+        predicates = [{"single_predicate": {"input": _STATUS_INPUT, "value_match": {"exact": str(code["value"])}}}]
+        if override.get("source", "All") != "All":
+            predicates.append({"single_predicate": {"input": _LOCAL_REPLY_INPUT, "value_match": {
+                "exact": "true" if override["source"] == "Local" else "false"}}})
+        response = override["response"]
+        assert response["body"]["type"] == "Inline"
+        action = {"@type": "type.googleapis.com/envoy.extensions.http.custom_response.local_response_policy.v3."
+                           "LocalResponsePolicy",
+                  "body_format": {"text_format": response["body"]["inline"]},
+                  "response_headers_to_add": [{"header": {"key": "Content-Type", "value": response["contentType"]},
+                                               "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+                  "status_code": response["statusCode"]}
+        matchers.append({
+            "predicate": predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}},
+            "on_match": {"action": {"name": f"backendtrafficpolicy/{ns}/{policy}/responseoverride/rule/{index}",
+                                    "typed_config": action}}})
+    return {"name": f"{CUSTOM_RESPONSE_FILTER}/backendtrafficpolicy/{ns}/{policy}", "disabled": True,
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.custom_response.v3."
+                                      "CustomResponse",
+                             "custom_response_matcher": {"matcher_list": {"matchers": matchers}}}}
 
 
 def eg_lua_source(objects: Rendered, namespace: str, lua: dict[str, Any]) -> str:
@@ -667,7 +727,12 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
         filters.append({"name": filter_name, "disabled": True, "typed_config": config})
         enable[filter_name] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
         clusters.append(_static_cluster(cluster, ref["port"], http2=True))
-    override = objects.get("BackendTrafficPolicy", "pd-decode-endpoint-override")["spec"]["loadBalancer"]
+    traffic = objects.get("BackendTrafficPolicy", "pd-decode-endpoint-override")
+    if "responseOverride" in traffic["spec"]:
+        custom = eg_custom_response(ns, traffic["metadata"]["name"], traffic["spec"]["responseOverride"])
+        filters.append(custom)
+        enable[custom["name"]] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+    override = traffic["spec"]["loadBalancer"]
     decode = _static_cluster(backend_cluster, rule["backendRefs"][0]["port"], http2=False)
     decode["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host", "typed_config": {
@@ -706,8 +771,8 @@ def test_what_envoy_gateway_renders_from_these_objects_is_a_valid_envoy_config()
     bootstrap = envoy_gateway_shape(rendered(GATEWAY_MODE))
     names = [f["name"] for f in bootstrap["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0][
         "typed_config"]["http_filters"]]
-    assert names[-1] == "envoy.filters.http.router"
-    assert [n.rsplit("/", 2)[-2:] for n in names[:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
+    assert names[-1] == "envoy.filters.http.router" and names[0].startswith(CUSTOM_RESPONSE_FILTER + "/")
+    assert [n.rsplit("/", 2)[-2:] for n in names[1:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
     assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) == []
 
 

@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 
 from extproc.config import Settings
-from tests.deploy.test_gateway_mode import EXT_PROC_FILTER, GATEWAY_MODE, LUA_FILTER, envoy_gateway_shape, rendered
+from tests.deploy.test_gateway_mode import (
+    CUSTOM_RESPONSE_FILTER,
+    EXT_PROC_FILTER,
+    GATEWAY_MODE,
+    LUA_FILTER,
+    envoy_gateway_shape,
+    rendered,
+)
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import JSON, assert_error, assert_nothing_reached_an_engine, post, served
@@ -68,13 +75,16 @@ def shipped(shipped_running: GatewayStack) -> GatewayStack:
 
 
 def test_the_running_envoy_has_the_guard_first_then_the_picker_then_pd_extproc(shipped: GatewayStack) -> None:
+    """Envoy Gateway's order (httpfilters.go:101-102,131-134): the responseOverride's custom_response (it
+    acts on the way out only), the guard, the picker, pd-extproc, the router."""
     assert shipped.envoy is not None
     dump = json.loads(shipped.envoy.admin_get("/config_dump?resource=static_listeners"))
     (listener,) = dump["configs"]
     hcm = listener["listener"]["default_filter_chain"]["filters"][0]["typed_config"]
     names = [f["name"] for f in hcm["http_filters"]]
-    assert [n.rsplit("/", 2)[-2:] for n in names[:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
-    assert names[0].startswith(LUA_FILTER + "/") and names[-1] == "envoy.filters.http.router"
+    assert names[0].startswith(CUSTOM_RESPONSE_FILTER + "/") and names[-1] == "envoy.filters.http.router"
+    assert [n.rsplit("/", 2)[-2:] for n in names[1:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
+    assert names[1].startswith(LUA_FILTER + "/")
 
 
 @pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "disaggregated_params",
@@ -182,19 +192,39 @@ def test_a_clients_steering_headers_are_removed_before_the_picker(shipped: Gatew
     assert not set(spoofed) & set(dict(only(shipped.decode("decode-a").requests())["headers"]))
 
 
-def test_pd_extproc_down_is_a_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
-    """What ships today: without the connection manager's local_reply_config (Envoy Gateway exposes none
-    per route; docs/gateway-chains.md) the 503 has Envoy's own body, not our JSON; and without the
-    matcher a decode-only request fails with it too. Never a decode without its handoff."""
+def test_pd_extproc_down_is_our_json_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
+    """statusOnError 510 and the route's responseOverride (Envoy Gateway's custom_response filter, sorted
+    first): with every replica down a P/D request gets pd-extproc's documented JSON 503, and so does a
+    decode-only one (without the matcher it makes a headers exchange too). Never a decode without its
+    handoff."""
     for replica in shipped.replicas:
         replica.child.stop(sig=signal.SIGKILL)
     try:
         for pd in (True, False):
             shipped.pick("decode-b", pd=pd)
             response = post(shipped, CHAT, chat_body(max_tokens=2))
-            assert response.status_code == 503
-            assert "pd_extproc_unavailable" not in response.text, "no JSON mapper in the shipped shape"
+            assert_error(response, 503, "pd_extproc_unavailable")
+            assert response.headers["content-type"] == "application/json"
         assert shipped.prefill.requests() == [] and served(shipped) == dict.fromkeys(DECODES, 0)
     finally:
         for replica in shipped.replicas:
             shipped.restart(replica)
+
+
+@pytest.mark.parametrize("status", [503, 510])
+def test_a_decode_engines_own_error_is_never_rewritten(shipped: GatewayStack, status: int) -> None:
+    """The override matches Envoy's own replies only (source: Local): an engine answering 503, or even the
+    510 mark, reaches the client as the engine sent it."""
+    shipped.pick("decode-a", pd=False)
+    shipped.decode("decode-a").script({"status": status})
+    response = post(shipped, COMPLETIONS, b'{"model": "emulated", "prompt": "hi", "max_tokens": 2}')
+    assert response.status_code == status
+    assert "pd_extproc_unavailable" not in response.text and "emulated failure" in response.text
+    assert served(shipped)["decode-a"] == 1
+
+
+def test_pd_extprocs_own_json_503_is_not_rewritten(shipped: GatewayStack) -> None:
+    shipped.pick("decode-c")
+    shipped.prefill.script({"status": 503})
+    assert_error(post(shipped, CHAT, chat_body(max_tokens=2)), 503, "prefill_upstream_error")
+    assert served(shipped) == dict.fromkeys(DECODES, 0)
