@@ -1,4 +1,4 @@
-"""k8s/base/epp.yaml, as every overlay renders it, against llm-d-router v0.10.0
+"""k8s/components/prefill-and-picker/epp.yaml, as every overlay renders it, against llm-d-router v0.10.0
 (commit 71f4f0999f95b96c49a9d0c4afbd18dfdb943c26).
 
 The table below was read in that release's source (paths beside each entry): the plugin types the
@@ -6,7 +6,7 @@ runner registers, the parameters each decodes (strictly: the loader refuses unkn
 those name other plugins, and what the role filters keep. The checks: every reference resolves, the
 disaggregation handler has its prefill decider (without one every request is decode-only and our
 server is never called), and the profiles pick prefill pods for "prefill" and decode pods for
-"decode", applied to the labels of k8s/base/prefill.yaml and k8s/base/decode.yaml.
+"decode", applied to the labels of k8s/components/prefill-and-picker/prefill.yaml and k8s/base/decode.yaml.
 
 What this cannot prove: that the picker binary accepts the file and behaves as its source reads. The
 picker is a Go program that cannot be built or run here, so this is a check of the file against our
@@ -158,7 +158,7 @@ def test_the_shipped_epp_config_is_what_the_pinned_release_reads(manifests: Mani
     assert problems == []
 
 
-BEFORE = {  # k8s/base/epp.yaml before this check existed: the decider declared, never wired
+BEFORE = {  # epp.yaml before this check existed: the decider declared, never wired
     "apiVersion": "inference.networking.x-k8s.io/v1alpha1", "kind": "EndpointPickerConfig",
     "plugins": [{"type": "always-disagg-pd-decider"}, {"type": "disagg-profile-handler"},
                 {"type": "prefill-filter"}, {"type": "decode-filter"}, {"type": "queue-scorer"},

@@ -17,6 +17,9 @@ from deploy import crd_schema, validate
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
+from extproc.envoy.guard import lua_source, stripped_headers
+from extproc.envoy.parts import early_header_mutation
+from extproc.errors import SPEC, Code, error_body
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
 
@@ -31,6 +34,8 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 ENVOY_DEFAULT_MESSAGE_TIMEOUT = 0.2
 ISTIO_ROUTER = "envoy.filters.http.router"
 ISTIO_PICKER_FILTER = "envoy.filters.http.ext_proc"  # pilot/pkg/xds/filters/filters.go @ 1.28.0
+# Envoy Gateway: pd-extproc's statusOnError, which the route's responseOverride turns into our JSON 503.
+UNREACHABLE_MARK = 510
 
 
 class Rendered:
@@ -132,6 +137,78 @@ def test_the_envoy_gateway_variant_has_every_kind_the_design_needs() -> None:
             ("gateway.envoyproxy.io", "BackendTrafficPolicy"),
             ("gateway.envoyproxy.io", "ClientTrafficPolicy")} <= rendered(GATEWAY_MODE).kinds()
     assert ("networking.istio.io", "EnvoyFilter") in rendered(ISTIO).kinds()
+
+
+def _references(pod: dict[str, Any]) -> set[tuple[str, str]]:
+    """The (kind, name) of every ConfigMap, Secret and ServiceAccount a pod spec needs to start (optional
+    Secrets aside)."""
+    refs: set[tuple[str, str]] = set()
+    if "serviceAccountName" in pod:
+        refs.add(("ServiceAccount", pod["serviceAccountName"]))
+    for volume in pod.get("volumes", []):
+        if "configMap" in volume:
+            refs.add(("ConfigMap", volume["configMap"]["name"]))
+    for container in pod["containers"] + pod.get("initContainers", []):
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                refs.add(("ConfigMap", source["configMapRef"]["name"]))
+        for env in container.get("env", []):
+            key_ref = env.get("valueFrom", {}).get("configMapKeyRef")
+            if key_ref is not None:
+                refs.add(("ConfigMap", key_ref["name"]))
+    return refs
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_apply_k_is_the_whole_deployment(root: Path) -> None:
+    """`kubectl apply -k` of a gateway-mode folder needs nothing applied by hand: the namespace, the
+    prefill pods, the picker and every ConfigMap or ServiceAccount a pod reads are in its render."""
+    objects = rendered(root)
+    assert ("Namespace", "llm") in objects.index
+    assert {("Deployment", name) for name in ("pd-prefill", "pd-epp", "pd-decode", "pd-extproc")} <= set(
+        objects.index)
+    for doc in objects.docs:
+        if doc.body["kind"] == "Deployment":
+            missing = _references(doc.body["spec"]["template"]["spec"]) - set(objects.index)
+            assert missing == set(), (doc.body["metadata"]["name"], missing)
+        if doc.body["kind"] != "Namespace":
+            assert doc.body["metadata"]["namespace"] == "llm", doc.label
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_decode_and_prefill_serve_the_one_model(root: Path) -> None:
+    objects = rendered(root)
+    sources = [next(e for e in objects.container(name, "vllm")["env"] if e["name"] == "MODEL")["valueFrom"]
+               for name in ("pd-decode", "pd-prefill")]
+    assert sources[0] == sources[1] and sources[0]["configMapKeyRef"]["name"].startswith("pd-model-")
+
+
+def test_the_shared_pieces_are_one_component_of_both_shapes() -> None:
+    """The sidecar base and gateway mode take the namespace, prefill, picker and model from one place."""
+    component = "prefill-and-picker"
+    for kustomization in (validate.K8S_DIR / "base", GATEWAY_MODE / "core"):
+        listed = yaml.safe_load((kustomization / "kustomization.yaml").read_text())["components"]
+        assert [Path(c).name for c in listed] == [component]
+    assert (validate.K8S_DIR / "components" / component / "kustomization.yaml").exists()
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda p: str(p.relative_to(validate.K8S_DIR)))
+def test_the_picker_admits_the_gateway(root: Path) -> None:
+    objects = rendered(root)
+    picker_labels = objects.get("Deployment", "pd-epp")["spec"]["template"]["metadata"]["labels"]
+    gateway = objects.get("Gateway", "pd-gateway")
+    peers = []
+    for doc in objects.docs:
+        spec = doc.body["spec"] if doc.body["kind"] == "NetworkPolicy" else None
+        if spec is None or not spec["podSelector"]["matchLabels"].items() <= picker_labels.items():
+            continue
+        for rule in spec.get("ingress", []):
+            if {"protocol": "TCP", "port": 9002} in rule.get("ports", []):
+                peers += [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    # Each implementation's label on the Gateway's data-plane pods (network-policy.yaml's header).
+    label = {"eg": "gateway.envoyproxy.io/owning-gateway-name",
+             "istio": "gateway.networking.k8s.io/gateway-name"}[gateway["spec"]["gatewayClassName"]]
+    assert {label: gateway["metadata"]["name"]} in peers
 
 
 # ------------------------------------------------------------------------------- planted errors (CRDs)
@@ -281,6 +358,24 @@ def test_the_picker_backend_is_the_picker_service_of_k8s_epp(manifests: Any) -> 
     assert port["appProtocol"] == "kubernetes.io/h2c"
 
 
+def test_the_policy_carries_the_client_guard_generated_from_its_source() -> None:
+    """One source of truth: the Lua Envoy Gateway reads for pd-route is extproc/envoy/guard.py's."""
+    objects = rendered(GATEWAY_MODE)
+    policy = objects.get("EnvoyExtensionPolicy", "pd-extproc-chain")
+    (lua,) = policy["spec"]["lua"]
+    assert lua["type"] == "ValueRef" and lua["valueRef"]["kind"] == "ConfigMap" and lua["valueRef"]["group"] == ""
+    assert eg_lua_source(objects, policy["metadata"]["namespace"], lua) == lua_source()
+    assert "filterContext" not in lua
+
+
+def test_envoy_gateway_runs_the_guard_before_both_ext_procs() -> None:
+    """Lua sorts at 13 + index, ext_proc at 100 + index (httpfilters.go:131-134 @ v1.9.0): the guard reads the
+    client's body before the picker, never pd-extproc's rewritten P/D body."""
+    assert eg_filter_order(f"{LUA_FILTER}/envoyextensionpolicy/llm/p/lua/0") < eg_filter_order(
+        f"{EXT_PROC_FILTER}/envoyextensionpolicy/llm/p/extproc/0")
+    assert len(rendered(GATEWAY_MODE).get("EnvoyExtensionPolicy", "pd-extproc-chain")["spec"]["lua"]) < 100 - 13
+
+
 def test_pd_extproc_processing_mode_is_the_sidecars() -> None:
     ours = _extprocs()[1]
     # request headers SEND and a BUFFERED body; no `response`: response headers SKIP, body NONE.
@@ -290,7 +385,22 @@ def test_pd_extproc_processing_mode_is_the_sidecars() -> None:
 def test_pd_extproc_failures_are_refused_never_passed_through() -> None:
     ours = _extprocs()[1]
     assert ours["failOpen"] is False
-    assert ours["statusOnError"] == 503
+    assert ours["statusOnError"] == UNREACHABLE_MARK
+
+
+def test_pd_extproc_unreachable_becomes_our_json_503_and_nothing_else_is_rewritten() -> None:
+    """statusOnError marks Envoy's reply with a status no other local reply of the route has; the route's
+    responseOverride turns exactly that (source Local: never an engine's answer) into our JSON error."""
+    (override,) = rendered(GATEWAY_MODE).get("BackendTrafficPolicy", "pd-decode-endpoint-override")["spec"][
+        "responseOverride"]
+    assert override["match"] == {"statusCodes": [{"type": "Value", "value": UNREACHABLE_MARK}]}
+    assert override["source"] == "Local"
+    spec = SPEC[Code.PD_EXTPROC_UNAVAILABLE]
+    assert override["response"] == {"statusCode": spec.status, "contentType": "application/json", "body": {
+        "type": "Inline", "inline": error_body(Code.PD_EXTPROC_UNAVAILABLE).decode()}}
+    assert "%" not in override["response"]["body"]["inline"]  # Envoy reads the body as a format string
+    # Nothing pd-extproc or Envoy answers on its own uses the mark (a prefill engine's own 510 aside).
+    assert UNREACHABLE_MARK not in {s.status for s in SPEC.values()}
 
 
 def test_the_message_timeout_outlasts_the_prefill_deadline() -> None:
@@ -320,6 +430,10 @@ def test_a_clients_picker_headers_are_removed_before_any_filter() -> None:
     assert policy["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway}]
     removed = set(policy["headers"]["earlyRequestHeaders"]["remove"])
     assert PICKER_HEADERS | {"x-data-parallel-rank", DESTINATION_HEADER} <= removed
+    # Everything the drop-in parts remove early, the engines' steering headers included (only pd-extproc
+    # may send one to an engine).
+    parts = {m["remove"] for m in early_header_mutation()["typed_config"]["mutations"]}
+    assert parts <= removed and set(stripped_headers()) <= removed
     assert "x-data-parallel-rank" in DATA_PARALLEL_RANKS
 
 
@@ -379,7 +493,9 @@ def test_istios_ext_proc_settings_match_envoy_gateways() -> None:
     config = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
     ours = _extprocs()[1]
     assert config["failure_mode_allow"] is False and ours["failOpen"] is False
-    assert config["status_on_error"] == {"code": ours["statusOnError"]}
+    # Istio has no responseOverride: its status is the one Envoy Gateway's override answers.
+    assert config["status_on_error"] == {"code": SPEC[Code.PD_EXTPROC_UNAVAILABLE].status}
+    assert ours["statusOnError"] == UNREACHABLE_MARK
     assert parse_duration(config["message_timeout"]) == parse_duration(ours["messageTimeout"])
     assert config["allow_mode_override"] is ours["processingMode"]["allowModeOverride"]
     assert config["processing_mode"] == {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
@@ -508,6 +624,74 @@ def _static_cluster(name: str, port: int, http2: bool) -> dict[str, Any]:
     return cluster
 
 
+LUA_FILTER = "envoy.filters.http.lua"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+CUSTOM_RESPONSE_FILTER = "envoy.filters.http.custom_response"
+
+
+def eg_filter_order(name: str) -> int:
+    """Envoy Gateway's sort key for the filters this shape has (internal/xds/translator/httpfilters.go:101-102,
+    131-134, 159 @ v1.9.0: custom_response 0, Lua 13 + index, ext_proc 100 + index, the index being the
+    name's last segment, :356; the router 310), ties broken by name (:175-176)."""
+    if name.startswith(CUSTOM_RESPONSE_FILTER):
+        return 0
+    index = int(name.rsplit("/", 1)[-1]) if "/" in name else 0
+    if name.startswith(LUA_FILTER):
+        return 13 + index
+    if name.startswith(EXT_PROC_FILTER):
+        return 100 + index
+    assert name == "envoy.filters.http.router", name
+    return 310
+
+
+_STATUS_INPUT = {"name": "http-response-status-code-match-input", "typed_config": {
+    "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseStatusCodeMatchInput"}}
+_LOCAL_REPLY_INPUT = {"name": "http-response-local-reply-match-input", "typed_config": {
+    "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpResponseLocalReplyMatchInput"}}
+
+
+def eg_custom_response(ns: str, policy: str, overrides: list[dict[str, Any]]) -> dict[str, Any]:
+    """A BackendTrafficPolicy's responseOverride as Envoy Gateway renders it (internal/xds/translator/
+    custom_response.go @ v1.9.0: one filter per policy, disabled in the HCM, :81-102; rules in order, a
+    status Value as an exact match on the status input, :270-318; `source` Local/Backend ANDs the local-reply
+    input, :139-147, :369-403; the response as a LocalResponsePolicy, :561-590). Only what this shape uses."""
+    matchers = []
+    for index, override in enumerate(overrides):
+        (code,) = override["match"]["statusCodes"]
+        assert code["type"] == "Value" and "responseHeaders" not in override["match"]
+        predicates = [{"single_predicate": {"input": _STATUS_INPUT, "value_match": {"exact": str(code["value"])}}}]
+        if override.get("source", "All") != "All":
+            predicates.append({"single_predicate": {"input": _LOCAL_REPLY_INPUT, "value_match": {
+                "exact": "true" if override["source"] == "Local" else "false"}}})
+        response = override["response"]
+        assert response["body"]["type"] == "Inline"
+        action = {"@type": "type.googleapis.com/envoy.extensions.http.custom_response.local_response_policy.v3."
+                           "LocalResponsePolicy",
+                  "body_format": {"text_format": response["body"]["inline"]},
+                  "response_headers_to_add": [{"header": {"key": "Content-Type", "value": response["contentType"]},
+                                               "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
+                  "status_code": response["statusCode"]}
+        matchers.append({
+            "predicate": predicates[0] if len(predicates) == 1 else {"and_matcher": {"predicate": predicates}},
+            "on_match": {"action": {"name": f"backendtrafficpolicy/{ns}/{policy}/responseoverride/rule/{index}",
+                                    "typed_config": action}}})
+    return {"name": f"{CUSTOM_RESPONSE_FILTER}/backendtrafficpolicy/{ns}/{policy}", "disabled": True,
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.custom_response.v3."
+                                      "CustomResponse",
+                             "custom_response_matcher": {"matcher_list": {"matchers": matchers}}}}
+
+
+def eg_lua_source(objects: Rendered, namespace: str, lua: dict[str, Any]) -> str:
+    """A Lua entry's code as Envoy Gateway reads it (envoyextensionpolicy.go buildLua, :1342-1392: inline, or
+    the ConfigMap's key `lua`, else its first value)."""
+    if lua.get("type", "Inline") == "Inline":
+        return str(lua["inline"])
+    configmap = objects.get("ConfigMap", lua["valueRef"]["name"])
+    assert configmap["metadata"]["namespace"] == namespace
+    data: dict[str, str] = configmap["data"]
+    return data["lua"] if "lua" in data else next(iter(data.values()))
+
+
 def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
     """The listener, route and clusters Envoy Gateway renders for pd-route with these policies (by hand,
     after its translator; endpoints are placeholders)."""
@@ -518,6 +702,15 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
     route_name = f"httproute/{ns}/{route['metadata']['name']}/rule/0/match/0/*"
     backend_cluster = f"httproute/{ns}/{route['metadata']['name']}/rule/0"
     filters, clusters, enable = [], [], {}
+    # Lua (internal/xds/translator/lua.go @ v1.9.0): one filter per entry named <type>/<policy>/lua/<index>
+    # (:94-96, envoyextensionpolicy.go:1544), disabled in the connection manager (:85-91), enabled on the
+    # route by an empty FilterConfig when the entry has no filterContext (:137-142).
+    for index, lua in enumerate(policy["spec"].get("lua", [])):
+        filter_name = f"{LUA_FILTER}/envoyextensionpolicy/{ns}/{name}/lua/{index}"
+        filters.append({"name": filter_name, "disabled": True, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": eg_lua_source(objects, ns, lua)}}})
+        enable[filter_name] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
     for index, ext in enumerate(policy["spec"]["extProc"]):
         filter_name = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{ns}/{name}/extproc/{index}"
         (ref,) = ext["backendRefs"]
@@ -534,7 +727,12 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
         filters.append({"name": filter_name, "disabled": True, "typed_config": config})
         enable[filter_name] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
         clusters.append(_static_cluster(cluster, ref["port"], http2=True))
-    override = objects.get("BackendTrafficPolicy", "pd-decode-endpoint-override")["spec"]["loadBalancer"]
+    traffic = objects.get("BackendTrafficPolicy", "pd-decode-endpoint-override")
+    if "responseOverride" in traffic["spec"]:
+        custom = eg_custom_response(ns, traffic["metadata"]["name"], traffic["spec"]["responseOverride"])
+        filters.append(custom)
+        enable[custom["name"]] = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+    override = traffic["spec"]["loadBalancer"]
     decode = _static_cluster(backend_cluster, rule["backendRefs"][0]["port"], http2=False)
     decode["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host", "typed_config": {
@@ -558,8 +756,9 @@ def envoy_gateway_shape(objects: Rendered) -> dict[str, Any]:
                "route": {"cluster": backend_cluster, "timeout": "0s"},
                "request_headers_to_remove": rule["filters"][0]["requestHeaderModifier"]["remove"],
                "typed_per_filter_config": enable}]}]},
-           "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {
-               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}
+           "http_filters": sorted([*filters, {"name": "envoy.filters.http.router", "typed_config": {
+               "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+               key=lambda f: (eg_filter_order(f["name"]), f["name"]))}
     listener = {"name": f"{ns}/{route['spec']['parentRefs'][0]['name']}/http",
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
                 "per_connection_buffer_limit_bytes": _quantity_bytes(client["connection"]["bufferLimit"]),
@@ -572,8 +771,8 @@ def test_what_envoy_gateway_renders_from_these_objects_is_a_valid_envoy_config()
     bootstrap = envoy_gateway_shape(rendered(GATEWAY_MODE))
     names = [f["name"] for f in bootstrap["static_resources"]["listeners"][0]["default_filter_chain"]["filters"][0][
         "typed_config"]["http_filters"]]
-    assert names[-1] == "envoy.filters.http.router" and names[0].endswith("/extproc/0") and names[1].endswith(
-        "/extproc/1")
+    assert names[-1] == "envoy.filters.http.router" and names[0].startswith(CUSTOM_RESPONSE_FILTER + "/")
+    assert [n.rsplit("/", 2)[-2:] for n in names[1:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
     assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) == []
 
 

@@ -1,6 +1,8 @@
 """k8s/gateway-mode as Envoy Gateway v1.9 renders it (tests/deploy/test_gateway_mode.py
 ``envoy_gateway_shape``, built from the kustomize output after Envoy Gateway's translator), run on a
 real Envoy 1.40 with the fake picker, our servers and three decode workers: what ships, end to end.
+The filter order is Envoy Gateway's (httpfilters.go:131-134 @ v1.9.0): the client guard (the policy's
+Lua, 13 + index), then the picker (ext_proc 100), then pd-extproc (ext_proc 101), then the router.
 
 The only changes to that shape here are the addresses (loopback ports of this test's processes), an
 admin endpoint, and a stat prefix on each ext_proc filter to tell their counters apart."""
@@ -16,10 +18,17 @@ from typing import Any
 import pytest
 
 from extproc.config import Settings
-from tests.deploy.test_gateway_mode import GATEWAY_MODE, envoy_gateway_shape, rendered
+from tests.deploy.test_gateway_mode import (
+    CUSTOM_RESPONSE_FILTER,
+    EXT_PROC_FILTER,
+    GATEWAY_MODE,
+    LUA_FILTER,
+    envoy_gateway_shape,
+    rendered,
+)
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
-from tests.gateway.test_gateway_contract import JSON, assert_error, post, served
+from tests.gateway.test_gateway_contract import JSON, assert_error, assert_nothing_reached_an_engine, post, served
 from tests.helpers import CHAT, COMPLETIONS, chat_body, only
 
 pytestmark = pytest.mark.dataplane
@@ -38,7 +47,9 @@ def shipped_shape(settings: Settings, picker: str, replicas: list[str], decodes:
     listener = bootstrap["static_resources"]["listeners"][0]
     hcm = listener["default_filter_chain"]["filters"][0]["typed_config"]
     hcm["stat_prefix"] = "http-10080"
-    picker_filter, pd_filter = hcm["http_filters"][0], hcm["http_filters"][1]
+    ext_procs = [f for f in hcm["http_filters"] if f["name"].startswith(EXT_PROC_FILTER)]
+    assert [f["name"].rsplit("/", 1)[-1] for f in ext_procs] == ["0", "1"]
+    picker_filter, pd_filter = ext_procs
     picker_filter["typed_config"]["stat_prefix"] = PICKER_STAT
     pd_filter["typed_config"]["stat_prefix"] = PD_STAT
     by_name = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
@@ -63,6 +74,59 @@ def shipped(shipped_running: GatewayStack) -> GatewayStack:
     return shipped_running.reset()
 
 
+def test_the_running_envoy_has_the_guard_first_then_the_picker_then_pd_extproc(shipped: GatewayStack) -> None:
+    """Envoy Gateway's order (httpfilters.go:101-102,131-134): the responseOverride's custom_response (it
+    acts on the way out only), the guard, the picker, pd-extproc, the router."""
+    assert shipped.envoy is not None
+    dump = json.loads(shipped.envoy.admin_get("/config_dump?resource=static_listeners"))
+    (listener,) = dump["configs"]
+    hcm = listener["listener"]["default_filter_chain"]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names[0].startswith(CUSTOM_RESPONSE_FILTER + "/") and names[-1] == "envoy.filters.http.router"
+    assert [n.rsplit("/", 2)[-2:] for n in names[1:-1]] == [["lua", "0"], ["extproc", "0"], ["extproc", "1"]]
+    assert names[1].startswith(LUA_FILTER + "/")
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "disaggregated_params",
+                                   "vllm_xargs.kv_transfer_params"])
+def test_a_decode_only_request_that_steers_the_engine_is_refused_before_any_engine(
+        shipped: GatewayStack, field: str) -> None:
+    """The gap this shape had: pd-extproc answers a decode-only request at its headers and never sees its
+    body. The policy's Lua guard (runs before the picker, Envoy Gateway's order) refuses a body member that
+    would steer the decode engine, e.g. make vLLM pull KV from an address the client chose."""
+    shipped.pick("decode-b", pd=False)
+    steering: Any = {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
+    if field == "bootstrap_host":
+        steering = "10.0.0.9"
+    head, _, tail = field.partition(".")
+    body = chat_body(max_tokens=2, **{head: {tail: steering} if tail else steering})
+    streams = shipped.pd_streams()
+    error = assert_error(post(shipped, CHAT, body), 400, "reserved_request_field")
+    assert error["param"] == field
+    assert_nothing_reached_an_engine(shipped)
+    # Refused before the picker and pd-extproc saw the request. (Envoy 1.40 passes the guard's reply
+    # through the picker's filter, whose response headers are SEND: a picker stream for the reply only.)
+    assert shipped.picker.seen() == [] and shipped.pd_streams() == streams
+
+
+def test_a_pd_request_whose_client_body_steers_the_engine_gets_the_same_refusal(shipped: GatewayStack) -> None:
+    """The guard runs before the picker, so it sees P/D requests too (the client's body, not ours): the
+    same 400 pd-extproc gives on the P/D route, and no leg runs."""
+    shipped.pick("decode-a")
+    body = chat_body(max_tokens=2, kv_transfer_params={"remote_host": "10.0.0.9", "remote_port": 5600})
+    error = assert_error(post(shipped, CHAT, body), 400, "reserved_request_field")
+    assert error["param"] == "kv_transfer_params"
+    assert_nothing_reached_an_engine(shipped)
+
+
+def test_a_decode_only_request_with_a_null_steering_member_passes_untouched(shipped: GatewayStack) -> None:
+    shipped.pick("decode-c", pd=False)
+    raw = b'{"model": "emulated", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": null}'
+    response = post(shipped, COMPLETIONS, raw)
+    assert response.status_code == 200, response.text
+    assert shipped.decode("decode-c").raw_body(only(shipped.decode("decode-c").requests())["seq"]) == raw
+
+
 @pytest.mark.parametrize("decode", DECODES)
 def test_a_pd_request_reaches_exactly_the_picked_decode_through_override_host(
         shipped: GatewayStack, decode: str) -> None:
@@ -72,6 +136,7 @@ def test_a_pd_request_reaches_exactly_the_picked_decode_through_override_host(
     assert response.status_code == 200, response.text
     assert served(shipped) == {name: int(name == decode) for name in DECODES}
     prefill, decoded = only(shipped.prefill.requests()), only(shipped.decode(decode).requests())
+    # The handoff reaches decode: the guard ran before our rewrite, never after it.
     assert decoded["json"] == {**body, "kv_transfer_params": prefill["notes"]["kv_transfer_params"]}
     assert "x-prefiller-host-port" not in dict(decoded["headers"])
 
@@ -117,19 +182,49 @@ def test_a_clients_own_picker_headers_are_removed_before_the_picker(shipped: Gat
     assert not set(spoofed) & set(shipped.picker.seen()[-1])
 
 
-def test_pd_extproc_down_is_a_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
-    """What ships today: without the connection manager's local_reply_config (Envoy Gateway exposes none
-    per route; docs/gateway-chains.md) the 503 has Envoy's own body, not our JSON; and without the
-    matcher a decode-only request fails with it too. Never a decode without its handoff."""
+def test_a_clients_steering_headers_are_removed_before_the_picker(shipped: GatewayStack) -> None:
+    shipped.pick("decode-a", pd=False)
+    spoofed = {"x-override-bootstrap-host": "10.0.0.9", "x-trtllm-disagg-auth": "forged"}
+    with shipped.client() as client:
+        response = client.post(CHAT, content=json.dumps(chat_body(max_tokens=2)), headers={**JSON, **spoofed})
+    assert response.status_code == 200
+    assert not set(spoofed) & set(shipped.picker.seen()[-1])
+    assert not set(spoofed) & set(dict(only(shipped.decode("decode-a").requests())["headers"]))
+
+
+def test_pd_extproc_down_is_our_json_503_for_the_whole_route_and_reaches_no_engine(shipped: GatewayStack) -> None:
+    """statusOnError 510 and the route's responseOverride (Envoy Gateway's custom_response filter, sorted
+    first): with every replica down a P/D request gets pd-extproc's documented JSON 503, and so does a
+    decode-only one (without the matcher it makes a headers exchange too). Never a decode without its
+    handoff."""
     for replica in shipped.replicas:
         replica.child.stop(sig=signal.SIGKILL)
     try:
         for pd in (True, False):
             shipped.pick("decode-b", pd=pd)
             response = post(shipped, CHAT, chat_body(max_tokens=2))
-            assert response.status_code == 503
-            assert "pd_extproc_unavailable" not in response.text, "no JSON mapper in the shipped shape"
+            assert_error(response, 503, "pd_extproc_unavailable")
+            assert response.headers["content-type"] == "application/json"
         assert shipped.prefill.requests() == [] and served(shipped) == dict.fromkeys(DECODES, 0)
     finally:
         for replica in shipped.replicas:
             shipped.restart(replica)
+
+
+@pytest.mark.parametrize("status", [503, 510])
+def test_a_decode_engines_own_error_is_never_rewritten(shipped: GatewayStack, status: int) -> None:
+    """The override matches Envoy's own replies only (source: Local): an engine answering 503, or even the
+    510 mark, reaches the client as the engine sent it."""
+    shipped.pick("decode-a", pd=False)
+    shipped.decode("decode-a").script({"status": status})
+    response = post(shipped, COMPLETIONS, b'{"model": "emulated", "prompt": "hi", "max_tokens": 2}')
+    assert response.status_code == status
+    assert "pd_extproc_unavailable" not in response.text and "emulated failure" in response.text
+    assert served(shipped)["decode-a"] == 1
+
+
+def test_pd_extprocs_own_json_503_is_not_rewritten(shipped: GatewayStack) -> None:
+    shipped.pick("decode-c")
+    shipped.prefill.script({"status": 503})
+    assert_error(post(shipped, CHAT, chat_body(max_tokens=2)), 503, "prefill_upstream_error")
+    assert served(shipped) == dict.fromkeys(DECODES, 0)
