@@ -305,7 +305,7 @@ class Soak:
         if same_server and self.last_server_metrics:
             before = _by_label(self.last_server_metrics, "pd_extproc_requests_total", "outcome")
             delta = {k: v - before.get(k, 0.0) for k, v in outcomes_now.items()}
-            problems = checks.compare_server(delta, tally, self.profile.concurrent)
+            problems = checks.compare_server(delta, tally)
             report.counter_checks["server_compared"] += 1
             for problem in problems:
                 report.fail(f"segment {report.segments} ({fault}) counters: {problem}")

@@ -178,14 +178,13 @@ def client_tally(outcomes: Iterable[Outcome]) -> dict[str, Counter[str]]:
             "counts": Counter({"reached_decode": reached_decode, "pd_disconnects": pd_disconnects})}
 
 
-def compare_server(delta: dict[str, float], tally: dict[str, Counter[str]], concurrent: bool = False) -> list[str]:
+def compare_server(delta: dict[str, float], tally: dict[str, Counter[str]]) -> list[str]:
     """Our pd_extproc_requests_total deltas (by outcome) against the client's tally of one segment.
 
     A client that left just as our answer was decided is counted by us under that answer (ok or an
     error code) or as cancelled: each disconnect may sit in any one of those. With a concurrent engine
-    a prefill that fails after decode has answered is counted under the prefill's code, while the
-    client got decode's answer (finding in bench/SOAK.md): those prefill codes may exceed the client's
-    count, and "ok" falls short by as many."""
+    a prefill that fails after decode's answer went to the client is counted under that answer
+    (processor.on_decode_answer), so the comparison is the same for every engine."""
     problems = []
     ours = tally["ours"]
     reached, disconnects = tally["counts"]["reached_decode"], tally["counts"]["pd_disconnects"]
@@ -193,18 +192,14 @@ def compare_server(delta: dict[str, float], tally: dict[str, Counter[str]], conc
     if spare < 0:
         problems.append(f"server counted {int(delta.get('cancelled', 0))} cancelled, more than the {disconnects} "
                         "client disconnects")
-    moved = 0
     for code in sorted(set(ours) | {k for k in delta if k not in ("ok", "cancelled")}):
         counted, seen = int(delta.get(code, 0)), ours.get(code, 0)
-        if concurrent and code.startswith("prefill_") and counted > seen:
-            moved += counted - seen
-            continue
         if seen < counted <= seen + spare:
             spare -= counted - seen
             continue
         if counted != seen:
             problems.append(f"server counted {counted} {code}, the client saw {seen}")
-    ok = int(delta.get("ok", 0)) + moved
+    ok = int(delta.get("ok", 0))
     if not reached <= ok <= reached + max(spare, 0):
         problems.append(f"server counted {ok} ok, the client saw {reached} reach decode (+{max(spare, 0)} "
                         "disconnects unaccounted)")

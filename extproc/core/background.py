@@ -27,6 +27,9 @@ class BackgroundPrefill:
     failure: PdError | None = None
     # Set by the stream when decode answered an error and the prefill was then ended: decode's status.
     abandoned_after_decode: int | None = None
+    # Set by the stream when decode's answer went on to the client: its status. A prefill failing after
+    # that is no longer the client's answer (the background failure counter still counts it).
+    decode_answer_relayed: int | None = None
     task: Task = field(init=False)  # set by BackgroundPrefills.start
 
 

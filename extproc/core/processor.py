@@ -260,6 +260,7 @@ class PdProcessor:
             # admission slot, a prefill connection and its KV. Closing our request aborts it there.
             handle.abandoned_after_decode = status
             handle.task.cancel()
+        handle.decode_answer_relayed = status
         return msg.continue_response_headers()
 
     async def _background_prefill(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
@@ -275,6 +276,9 @@ class PdProcessor:
             if error.relayed is not None:
                 record.prefill_error = error.relayed.reason
             handle.failure = error
+            if handle.decode_answer_relayed is not None:  # too late to be the answer: the client has decode's
+                self._finish(record, "ok", handle.decode_answer_relayed)
+                return
             if plan.abort is not None and not handle.decode_answered.is_set():
                 record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
             self._finish(record, error.code.value, error.status)

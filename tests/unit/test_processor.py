@@ -329,6 +329,39 @@ def test_decode_answering_while_the_prefill_is_fine_is_decodes_answer() -> None:
     asyncio.run(run())
 
 
+def background_failures(r: Rig) -> dict[str, float]:
+    return {sample.labels["reason"]: sample.value for metric in r.metrics.registry.collect()
+            if metric.name == "pd_extproc_background_prefill_failures" for sample in metric.samples
+            if sample.name.endswith("_total")}
+
+
+def test_a_prefill_failing_after_decodes_answer_went_out_counts_what_the_client_got() -> None:
+    """Decode's 200 is already on its way to the client when the prefill fails: the request is counted
+    under decode's answer, the failure only in the background failure counter, and nothing is aborted."""
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        release = asyncio.Event()
+
+        async def fails_later() -> WorkerReply:
+            await release.wait()
+            return WorkerReply(503, "application/json", b"")
+
+        r.transport.answers.append(fails_later)
+        request_head, pending = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is not None
+        answer = await r.processor.on_decode_answer(outcome.background, 200)
+        assert answer.WhichOneof("response") == "response_headers"
+        release.set()
+        await outcome.background.task
+        assert r.outcomes() == {"ok": 1.0}
+        assert background_failures(r) == {"prefill_upstream_error": 1.0}
+        assert r.transport.posts_to(DECODE) == [], "decode answered: nothing to abort"
+        assert r.admission.inflight == 0
+
+    asyncio.run(run())
+
+
 # --- upstream's classification table --------------------------------------------------------------
 
 
