@@ -1,0 +1,259 @@
+"""``serve --workers N`` (N > 1): a supervisor that owns no gRPC listener and runs N worker processes.
+
+Worker i is today's server (extproc/app.py) on its own gRPC endpoint (extproc/workers.py:
+``<grpc_listen>-i`` or port + i; Envoy's ext_proc cluster lists them all), with its /metrics on a
+private Unix socket. The supervisor
+
+- starts the workers (``spawn``: a fresh interpreter each, nothing inherited but stderr and stdout)
+  and restarts one that exits, after zeroing its in-flight slot (a dead worker holds nothing);
+- serves the one ``/metrics`` (each worker's page, scraped at scrape time and merged:
+  extproc/observability/merge.py), ``/healthz`` and ``/readyz`` on metrics_listen;
+- on SIGTERM or SIGINT: ``/readyz`` answers 503, SIGTERM goes to every worker (each runs its own
+  drain), and the supervisor exits 0 once all have exited; a second signal kills them at once.
+
+Workers get SIGTERM when the supervisor dies (PR_SET_PDEATHSIG) and leave its process group, so a
+terminal's Ctrl-C reaches them once, through the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from extproc.config import Settings
+from extproc.observability import logs
+from extproc.observability.httpserver import HttpServer, Request, Response
+from extproc.observability.merge import merge_pages
+from extproc.workers import SharedBlock, WorkerRole, worker_listen
+
+log = logging.getLogger("extproc.supervisor")
+_PR_SET_PDEATHSIG = 1
+RESTART_BACKOFF = 1.0  # seconds before restarting a worker that ran less than STEADY_AFTER
+STEADY_AFTER = 10.0
+SCRAPE_TIMEOUT = 5.0
+# After the workers' own drain (drain_timeout), how long before the supervisor kills what is left.
+KILL_AFTER_DRAIN = 10.0
+EXIT_WORKER_FAILED = 1
+
+
+def _worker_main(settings: Settings, role: WorkerRole, ready: Connection) -> None:
+    """A worker process's body (runs in the spawned interpreter)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    logs.configure(settings.log_level)
+    import uvloop
+
+    from extproc.app import ListenError, serve
+
+    def announce(address: str, _metrics_port: int) -> None:
+        ready.send(address)
+        ready.close()
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(settings, announce, role))
+    except ListenError as exc:
+        sys.stderr.write(f"pd-extproc serve: worker {role.index}: {exc}\n")
+        sys.exit(EXIT_WORKER_FAILED)
+
+
+def _readable(fd: int) -> asyncio.Future[None]:
+    """Resolves once ``fd`` is readable (data, or EOF: its writer closed or its process exited)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def done() -> None:
+        loop.remove_reader(fd)
+        if not future.done():
+            future.set_result(None)
+
+    loop.add_reader(fd, done)
+    future.add_done_callback(lambda _: loop.remove_reader(fd))
+    return future
+
+
+async def scrape_unix(path: Path) -> str | None:
+    """A worker's /metrics page over its private socket; None if it does not answer 200 in time."""
+    try:
+        async with asyncio.timeout(SCRAPE_TIMEOUT):
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            try:
+                writer.write(b"GET /metrics HTTP/1.0\r\nhost: worker\r\n\r\n")
+                await writer.drain()
+                raw = await reader.read()  # HTTP/1.0: the worker closes after the response
+            finally:
+                writer.close()
+    except (OSError, TimeoutError):
+        return None
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if head.split(b" ", 2)[1:2] != [b"200"]:
+        return None
+    return body.decode("utf-8", "replace")
+
+
+class Supervisor:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        count = settings.workers
+        self.dir = Path(tempfile.mkdtemp(prefix="pd-extproc-workers-"))
+        self.block = SharedBlock.create(self.dir / "block", count)
+        self.roles = [WorkerRole(i, count, self.dir / "block", self.dir / f"metrics-{i}.sock") for i in range(count)]
+        self.processes: list[BaseProcess | None] = [None] * count
+        self.ready = [False] * count
+        self.draining = False
+        self.metrics_port = 0
+        self._context = multiprocessing.get_context("spawn")
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self.http = HttpServer(self._http)
+
+    def _spawn(self, index: int) -> tuple[BaseProcess, Connection]:
+        reader, writer = self._context.Pipe(duplex=False)
+        settings = dataclasses.replace(self.settings, grpc_listen=worker_listen(self.settings.grpc_listen, index))
+        process = self._context.Process(target=_worker_main, args=(settings, self.roles[index], writer),
+                                        name=f"pd-extproc-worker-{index}")
+        process.start()
+        writer.close()
+        self.processes[index] = process
+        if self.draining:  # the signal was forwarded before this worker existed
+            self._kill(process, signal.SIGTERM)
+        return process, reader
+
+    async def _keep(self, index: int, first: asyncio.Future[bool]) -> None:
+        """Run worker ``index`` until the supervisor stops; restart it whenever it exits."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            process, reader = self._spawn(index)
+            await _readable(reader.fileno())
+            try:
+                reader.recv()
+                ok = True
+            except EOFError:  # exited before it was ready
+                ok = False
+            finally:
+                reader.close()
+            self.ready[index] = ok
+            if not first.done():
+                first.set_result(ok)
+            log.info("worker started" if ok else "worker exited before it was ready",
+                     extra={"worker": index, "pid": process.pid})
+            await _readable(process.sentinel)
+            process.join()
+            self.ready[index] = False
+            self.block.zero(index)
+            if self.draining:
+                return
+            log.warning("worker exited; restarting it", extra={"worker": index, "pid": process.pid,
+                                                               "exitcode": process.exitcode})
+            if loop.time() - started < STEADY_AFTER:
+                await asyncio.sleep(RESTART_BACKOFF)
+            if self.draining:
+                return
+
+    @staticmethod
+    def _kill(process: BaseProcess | None, sig: int) -> None:
+        if process is not None and process.pid is not None and process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals > 1:  # a second signal: at once
+            for process in self.processes:
+                self._kill(process, signal.SIGKILL)
+        self._stop.set()
+
+    def _begin_drain(self) -> None:
+        self.draining = True
+        for process in self.processes:
+            self._kill(process, signal.SIGTERM)
+
+    async def _http(self, request: Request) -> Response:
+        if request.path == "/metrics":
+            live = [role.metrics_socket for role, ready in zip(self.roles, self.ready, strict=True) if ready]
+            pages = [page for page in await asyncio.gather(*(scrape_unix(path) for path in live)) if page is not None]
+            if not pages:
+                return Response(503, b'{"status":"no worker answered"}')
+            return Response(200, merge_pages(pages).encode(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        if request.path == "/healthz":
+            return Response(200, b'{"status":"ok"}')
+        if request.path == "/readyz":
+            if self.draining:
+                return Response(503, b'{"status":"draining"}')
+            if not any(self.ready):
+                return Response(503, b'{"status":"no worker ready"}')
+            return Response(200, b'{"status":"ready"}')
+        return Response(404, b'{"status":"not found"}')
+
+    async def run(self, on_ready: Callable[[str, int], None] | None) -> int:
+        from extproc.app import ListenError
+
+        listen = self.settings.metrics_listen
+        try:
+            self.metrics_port = await self.http.start(listen.host, listen.port)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
+                              "with --metrics-listen") from None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        firsts = [loop.create_future() for _ in self.roles]
+        keepers = [asyncio.create_task(self._keep(index, first)) for index, first in enumerate(firsts)]
+        stop = asyncio.ensure_future(self._stop.wait())
+        started = asyncio.gather(*firsts)
+        waiters: list[asyncio.Future[Any]] = [stop, started]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        status = 0
+        if not self._stop.is_set():
+            if all(first.result() for first in firsts):
+                log.info("workers listening", extra={"workers": len(self.roles), "metrics_port": self.metrics_port,
+                                                     "grpc": str(self.settings.grpc_listen)})
+                if on_ready is not None:
+                    on_ready(str(self.settings.grpc_listen), self.metrics_port)
+                await stop
+            else:
+                log.error("a worker exited before it was ready; stopping", extra={"workers": len(self.roles)})
+                status = EXIT_WORKER_FAILED
+        stop.cancel()
+        log.info("draining", extra={"grace_seconds": self.settings.drain_timeout, "inflight": self.block.total()})
+        self._begin_drain()
+        _, late = await asyncio.wait(keepers, timeout=self.settings.drain_timeout + KILL_AFTER_DRAIN)
+        if late:
+            log.error("workers still running after the drain; killing them", extra={"workers": len(late)})
+            for process in self.processes:
+                self._kill(process, signal.SIGKILL)
+            await asyncio.wait(late)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await self.http.close()
+        log.info("stopped")
+        return status
+
+    def close(self) -> None:
+        self.block.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def supervise(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> int:
+    """Run the workers until SIGTERM or SIGINT; the exit status (0, or 1 if a worker could not start)."""
+    supervisor = Supervisor(settings)
+    try:
+        return await supervisor.run(on_ready)
+    finally:
+        supervisor.close()
