@@ -4,15 +4,16 @@ Worker i is today's server (extproc/app.py) on its own gRPC endpoint (extproc/wo
 ``<grpc_listen>-i`` or port + i; Envoy's ext_proc cluster lists them all), with its /metrics on a
 private Unix socket. The supervisor
 
-- starts the workers (``spawn``: a fresh interpreter each, nothing inherited but stderr and stdout)
-  and restarts one that exits, after zeroing its in-flight slot (a dead worker holds nothing);
+- starts the workers (a fresh interpreter each, ``python -c``; stdout and stderr inherited, so their
+  log lines go where the supervisor's go) and restarts one that exits, after zeroing its in-flight
+  slot (a dead worker holds nothing);
 - serves the one ``/metrics`` (each worker's page, scraped at scrape time and merged:
   extproc/observability/merge.py), ``/healthz`` and ``/readyz`` on metrics_listen;
 - on SIGTERM or SIGINT: ``/readyz`` answers 503, SIGTERM goes to every worker (each runs its own
   drain), and the supervisor exits 0 once all have exited; a second signal kills them at once.
 
-Workers get SIGTERM when the supervisor dies (PR_SET_PDEATHSIG) and leave its process group, so a
-terminal's Ctrl-C reaches them once, through the supervisor.
+Workers get SIGTERM when the supervisor dies (PR_SET_PDEATHSIG) and run in their own process group,
+so a terminal's Ctrl-C reaches them once, through the supervisor.
 """
 
 from __future__ import annotations
@@ -22,15 +23,14 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
-import multiprocessing
 import os
+import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +50,22 @@ KILL_AFTER_DRAIN = 10.0
 EXIT_WORKER_FAILED = 1
 
 
-def _worker_main(settings: Settings, role: WorkerRole, ready: Connection) -> None:
-    """A worker process's body (runs in the spawned interpreter)."""
+def worker_entry() -> None:
+    """A worker process's body: ``python -c`` runs this with the write end of the ready pipe as its
+    argument and (settings, role) pickled on stdin. It writes its address to the pipe once listening
+    and keeps the pipe open until it exits: the supervisor sees the exit as the pipe's EOF."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
+    ready_fd = int(sys.argv[1])
+    settings, role = pickle.load(sys.stdin.buffer)  # noqa: S301 (from our own supervisor, over a pipe)
+    if os.getppid() == 1:  # the supervisor died before PR_SET_PDEATHSIG took effect
+        sys.exit(EXIT_WORKER_FAILED)
     logs.configure(settings.log_level)
     import uvloop
 
     from extproc.app import ListenError, serve
 
     def announce(address: str, _metrics_port: int) -> None:
-        ready.send(address)
-        ready.close()
+        os.write(ready_fd, address.encode() + b"\n")
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -70,6 +73,9 @@ def _worker_main(settings: Settings, role: WorkerRole, ready: Connection) -> Non
     except ListenError as exc:
         sys.stderr.write(f"pd-extproc serve: worker {role.index}: {exc}\n")
         sys.exit(EXIT_WORKER_FAILED)
+
+
+_WORKER_COMMAND = "from extproc.supervisor import worker_entry; worker_entry()"
 
 
 def _readable(fd: int) -> asyncio.Future[None]:
@@ -113,64 +119,71 @@ class Supervisor:
         self.dir = Path(tempfile.mkdtemp(prefix="pd-extproc-workers-"))
         self.block = SharedBlock.create(self.dir / "block", count)
         self.roles = [WorkerRole(i, count, self.dir / "block", self.dir / f"metrics-{i}.sock") for i in range(count)]
-        self.processes: list[BaseProcess | None] = [None] * count
+        self.processes: list[subprocess.Popen[bytes] | None] = [None] * count
         self.ready = [False] * count
         self.draining = False
         self.metrics_port = 0
-        self._context = multiprocessing.get_context("spawn")
         self._stop = asyncio.Event()
         self._signals = 0
         self.http = HttpServer(self._http)
 
-    def _spawn(self, index: int) -> tuple[BaseProcess, Connection]:
-        reader, writer = self._context.Pipe(duplex=False)
+    def _spawn(self, index: int) -> tuple[subprocess.Popen[bytes], int]:
+        """Start worker ``index``; its process and the read end of its ready pipe."""
+        read_fd, write_fd = os.pipe()
         settings = dataclasses.replace(self.settings, grpc_listen=worker_listen(self.settings.grpc_listen, index))
-        process = self._context.Process(target=_worker_main, args=(settings, self.roles[index], writer),
-                                        name=f"pd-extproc-worker-{index}")
-        process.start()
-        writer.close()
+        try:
+            # Its own process group: a terminal's Ctrl-C reaches the workers once, through the supervisor.
+            process = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, str(write_fd)], stdin=subprocess.PIPE,
+                                       pass_fds=(write_fd,), process_group=0)
+        finally:
+            os.close(write_fd)
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.write(pickle.dumps((settings, self.roles[index])))
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.close()
         self.processes[index] = process
         if self.draining:  # the signal was forwarded before this worker existed
             self._kill(process, signal.SIGTERM)
-        return process, reader
+        return process, read_fd
 
     async def _keep(self, index: int, first: asyncio.Future[bool]) -> None:
         """Run worker ``index`` until the supervisor stops; restart it whenever it exits."""
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
-            process, reader = self._spawn(index)
-            await _readable(reader.fileno())
+            process, ready = self._spawn(index)
             try:
-                reader.recv()
-                ok = True
-            except EOFError:  # exited before it was ready
-                ok = False
+                await _readable(ready)
+                ok = bool(os.read(ready, 4096))  # EOF: it exited before it was ready
+                self.ready[index] = ok
+                if not first.done():
+                    first.set_result(ok)
+                log.info("worker started" if ok else "worker exited before it was ready",
+                         extra={"worker": index, "pid": process.pid})
+                while ok:  # nothing more is written: readable again means EOF, the worker exited
+                    await _readable(ready)
+                    if not os.read(ready, 4096):
+                        break
             finally:
-                reader.close()
-            self.ready[index] = ok
-            if not first.done():
-                first.set_result(ok)
-            log.info("worker started" if ok else "worker exited before it was ready",
-                     extra={"worker": index, "pid": process.pid})
-            await _readable(process.sentinel)
-            process.join()
+                os.close(ready)
+            await asyncio.to_thread(process.wait)
             self.ready[index] = False
             self.block.zero(index)
             if self.draining:
                 return
             log.warning("worker exited; restarting it", extra={"worker": index, "pid": process.pid,
-                                                               "exitcode": process.exitcode})
+                                                               "exitcode": process.returncode})
             if loop.time() - started < STEADY_AFTER:
                 await asyncio.sleep(RESTART_BACKOFF)
             if self.draining:
                 return
 
     @staticmethod
-    def _kill(process: BaseProcess | None, sig: int) -> None:
-        if process is not None and process.pid is not None and process.exitcode is None:
+    def _kill(process: subprocess.Popen[bytes] | None, sig: int) -> None:
+        if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, sig)
+                process.send_signal(sig)
 
     def _on_signal(self) -> None:
         self._signals += 1
