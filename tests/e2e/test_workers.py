@@ -161,3 +161,26 @@ def test_sigterm_drains_every_worker_and_the_supervisor_exits_0() -> None:
         assert status == 0
         assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
                        for pid in workers)
+
+
+def test_the_decode_queue_is_read_once_and_sheds_on_every_worker() -> None:
+    """Worker 0 reads the decode worker's queue; worker 1 sheds from the same reading (the shared
+    block); the supervisor's /metrics shows the one reading."""
+    env = {"PD_EXTPROC_WORKERS": "2", "PD_EXTPROC_DECODE_QUEUE_LIMIT": "4", "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "100ms"}
+    with running_stack(env, grpc_unix=True) as stack:
+        assert stack.decode.call("POST", "/_emulator/gauges", {"vllm:num_requests_waiting": 9})[0] == 200
+        assert eventually(lambda: scrape(stack).get("pd_extproc_decode_queue_waiting") == 9)
+        before = requests_per_worker(stack)
+        shed = []
+        while len(shed) < 40:
+            shed.append(post(stack, CHAT, chat_body(max_tokens=2)))
+            after = requests_per_worker(stack)
+            if all(after[host] > before[host] for host in after):
+                break
+        assert all(after[host] > before[host] for host in after), (before, after)
+        for response in shed:
+            assert_error(response, 503, "pd_overloaded")
+        assert stack.prefill.requests() == [] and stack.decode.requests() == []
+        assert stack.decode.call("POST", "/_emulator/gauges", {"vllm:num_requests_waiting": 0})[0] == 200
+        assert eventually(lambda: scrape(stack).get("pd_extproc_decode_queue_waiting") == 0)
+        assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
