@@ -37,7 +37,7 @@ from typing import Any
 from extproc.config import Settings
 from extproc.observability import logs
 from extproc.observability.httpserver import HttpServer, Request, Response
-from extproc.observability.merge import merge_pages
+from extproc.observability.merge import counters_only, merge_pages
 from extproc.workers import SharedBlock, WorkerRole, worker_listen
 
 log = logging.getLogger("extproc.supervisor")
@@ -126,6 +126,10 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._signals = 0
         self.http = HttpServer(self._http)
+        # The merged counters keep rising across worker restarts (extproc/observability/merge.py).
+        self._last_pages: dict[int, str] = {}  # each worker's last scraped page
+        self._retired = ""  # the counts of workers that exited, as of their last scrape
+        self._high: dict[str, float] = {}
 
     def _spawn(self, index: int) -> tuple[subprocess.Popen[bytes], int]:
         """Start worker ``index``; its process and the read end of its ready pipe."""
@@ -170,6 +174,7 @@ class Supervisor:
             await asyncio.to_thread(process.wait)
             self.ready[index] = False
             self.block.zero(index)
+            self._retire(index)
             if self.draining:
                 return
             log.warning("worker exited; restarting it", extra={"worker": index, "pid": process.pid,
@@ -178,6 +183,17 @@ class Supervisor:
                 await asyncio.sleep(RESTART_BACKOFF)
             if self.draining:
                 return
+
+    def _retire(self, index: int) -> None:
+        last = self._last_pages.pop(index, None)
+        if last is not None:
+            self._retired = counters_only(merge_pages([self._retired, last]))
+
+    async def _scrape(self, index: int) -> str | None:
+        page = await scrape_unix(self.roles[index].metrics_socket)
+        if page is not None and self.ready[index]:  # not a page from a worker that exited meanwhile
+            self._last_pages[index] = page
+        return page
 
     @staticmethod
     def _kill(process: subprocess.Popen[bytes] | None, sig: int) -> None:
@@ -199,11 +215,13 @@ class Supervisor:
 
     async def _http(self, request: Request) -> Response:
         if request.path == "/metrics":
-            live = [role.metrics_socket for role, ready in zip(self.roles, self.ready, strict=True) if ready]
-            pages = [page for page in await asyncio.gather(*(scrape_unix(path) for path in live)) if page is not None]
+            live = [index for index, ready in enumerate(self.ready) if ready]
+            scraped = await asyncio.gather(*(self._scrape(index) for index in live))
+            pages = [page for page in scraped if page is not None]
             if not pages:
                 return Response(503, b'{"status":"no worker answered"}')
-            return Response(200, merge_pages(pages).encode(), content_type="text/plain; version=0.0.4; charset=utf-8")
+            merged = merge_pages([*pages, self._retired], self._high)
+            return Response(200, merged.encode(), content_type="text/plain; version=0.0.4; charset=utf-8")
         if request.path == "/healthz":
             return Response(200, b'{"status":"ok"}')
         if request.path == "/readyz":

@@ -118,6 +118,7 @@ def test_a_killed_worker_is_replaced_and_serves_again(workers_stack: Stack) -> N
     stack = workers_stack.reset()
     old = worker_pids(stack)
     assert len(old) == 2, old
+    ok_before = count(scrape(stack), OK)  # both workers' pages as of now: the supervisor keeps the dead one's
     os.kill(old[0], signal.SIGKILL)
     assert eventually(lambda: len(worker_pids(stack)) == 2 and worker_pids(stack) != old, within=30), \
         "the supervisor starts a new worker"
@@ -127,11 +128,14 @@ def test_a_killed_worker_is_replaced_and_serves_again(workers_stack: Stack) -> N
     assert eventually(lambda: set(endpoint_stats(stack, "health_flags").values()) == {"healthy"}, within=30), \
         endpoint_stats(stack, "health_flags")
     before = requests_per_worker(stack)
-    for _ in range(50):
+    sent = 0
+    while sent < 50:
         assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
+        sent += 1
         if requests_per_worker(stack)[replaced] > before[replaced]:
             break
     assert requests_per_worker(stack)[replaced] > before[replaced], "the new worker serves"
+    assert count(scrape(stack), OK) == ok_before + sent, "the dead worker's counts stay in the sum"
     assert new in worker_pids(stack)
     assert httpx.get(stack.metrics_url + "/readyz", timeout=10).status_code == 200
 

@@ -13,7 +13,7 @@ from extproc.config import ConfigError, load_settings
 from extproc.envoy.bootstrap import EXT_PROC_CLUSTER, render
 from extproc.envoy.parts import sidecar_parts
 from extproc.errors import Code, PdError
-from extproc.observability.merge import combine, merge_pages
+from extproc.observability.merge import combine, counters_only, merge_pages
 from extproc.observability.metrics import Metrics
 from extproc.units import parse_address
 from extproc.workers import SharedAdmission, SharedBlock, SharedQueueReading, worker_listen, worker_listens
@@ -179,3 +179,27 @@ def test_nan_everywhere_stays_nan_and_one_page_is_itself() -> None:
     page = _page(Metrics())
     assert _samples(merge_pages([page])).keys() == _samples(page).keys()
     assert merge_pages([]) == ""
+
+
+def test_counters_keep_rising_when_a_worker_dies() -> None:
+    """A dead worker's last scraped counts stay in the sum; what it counted after that scrape is
+    absorbed by the clamp rather than exposed as a fall (which Prometheus would read as a reset)."""
+    one, two = Metrics(), Metrics()
+    one.requests.labels("vllm_nixl", "ok").inc(5)
+    two.requests.labels("vllm_nixl", "ok").inc(3)
+    one.inflight.set(4)
+    high: dict[str, float] = {}
+    key = 'pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}'
+    assert _samples(merge_pages([_page(one), _page(two)], high))[key] == 8
+    last_of_two = _page(two)
+    two.requests.labels("vllm_nixl", "ok").inc(2)  # counted after its last scrape, then it dies
+    retired = counters_only(last_of_two)
+    assert "pd_extproc_inflight_requests" not in retired and "build_info" not in retired, "counts only"
+    replacement = Metrics()
+    merged = _samples(merge_pages([_page(one), _page(replacement), retired], high))
+    assert merged[key] == 8, "never below what was exposed"
+    assert merged["pd_extproc_inflight_requests"] == 4, "gauges are the live workers' only"
+    replacement.requests.labels("vllm_nixl", "ok").inc(1)
+    assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 9
+    one.requests.labels("vllm_nixl", "ok").inc(1)
+    assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 10
