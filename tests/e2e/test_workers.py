@@ -7,11 +7,15 @@ Which worker a stream reached is read from Envoy's own per-endpoint counters (ad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,7 +100,7 @@ def test_one_inflight_limit_across_both_workers(workers_stack: Stack) -> None:
             held = asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers()))
             assert await asyncio.to_thread(stack.prefill.wait, "pending", 1)
             before = requests_per_worker(stack)
-            shed = []
+            shed: list[httpx.Response] = []
             while len(shed) < 12:
                 shed.append(await client.post(CHAT, json=chat_body(), headers=stack.pd_headers()))
                 after = requests_per_worker(stack)
@@ -175,7 +179,7 @@ def test_the_decode_queue_is_read_once_and_sheds_on_every_worker() -> None:
         assert stack.decode.call("POST", "/_emulator/gauges", {"vllm:num_requests_waiting": 9})[0] == 200
         assert eventually(lambda: scrape(stack).get("pd_extproc_decode_queue_waiting") == 9)
         before = requests_per_worker(stack)
-        shed = []
+        shed: list[Any] = []
         while len(shed) < 40:
             shed.append(post(stack, CHAT, chat_body(max_tokens=2)))
             after = requests_per_worker(stack)
@@ -188,3 +192,44 @@ def test_the_decode_queue_is_read_once_and_sheds_on_every_worker() -> None:
         assert stack.decode.call("POST", "/_emulator/gauges", {"vllm:num_requests_waiting": 0})[0] == 200
         assert eventually(lambda: scrape(stack).get("pd_extproc_decode_queue_waiting") == 0)
         assert post(stack, CHAT, chat_body(max_tokens=2)).status_code == 200
+
+
+def serve(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "extproc", "serve", *args], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0"})
+
+
+def test_zero_workers_is_refused_with_a_clear_error() -> None:
+    process = serve("--workers", "0")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "--workers: expected a positive integer" in err and "ready" not in out
+
+
+@contextlib.contextmanager
+def taken_port_after_a_free_one() -> Iterator[int]:
+    """A port something listens on, whose predecessor is free (worker 0's, so worker 1 is the one that fails)."""
+    for _ in range(50):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port: int = taken.getsockname()[1]
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port - 1))
+                except OSError:
+                    continue
+            yield port
+            return
+    pytest.fail("no taken port with a free predecessor in 50 tries")
+
+
+def test_a_worker_that_cannot_listen_stops_the_supervisor() -> None:
+    """Worker 1's port (grpc_listen + 1) is taken: the supervisor exits 1 with the worker's reason and
+    never says ready; it does not restart a worker that never started."""
+    with taken_port_after_a_free_one() as port:
+        process = serve("--workers", "2", "--grpc-listen", f"127.0.0.1:{port - 1}", "--drain-timeout", "2s")
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert f"worker 1: cannot listen on 127.0.0.1:{port} (grpc_listen)" in err and "Traceback" not in err
+    assert "ready" not in out
