@@ -48,6 +48,7 @@ SCRAPE_TIMEOUT = 5.0
 # After the workers' own drain (drain_timeout), how long before the supervisor kills what is left.
 KILL_AFTER_DRAIN = 10.0
 EXIT_WORKER_FAILED = 1
+EXIT_CONFIG = 2  # as the CLI's
 
 
 def worker_entry() -> None:
@@ -55,14 +56,15 @@ def worker_entry() -> None:
     argument and (settings, role) pickled on stdin. It writes its address to the pipe once listening
     and keeps the pipe open until it exits: the supervisor sees the exit as the pipe's EOF."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    ready_fd = int(sys.argv[1])
+    ready_fd, supervisor = int(sys.argv[1]), int(sys.argv[2])
     settings, role = pickle.load(sys.stdin.buffer)  # noqa: S301 (from our own supervisor, over a pipe)
-    if os.getppid() == 1:  # the supervisor died before PR_SET_PDEATHSIG took effect
+    if os.getppid() != supervisor:  # it died before PR_SET_PDEATHSIG took effect
         sys.exit(EXIT_WORKER_FAILED)
     logs.configure(settings.log_level)
     import uvloop
 
     from extproc.app import ListenError, serve
+    from extproc.config import ConfigError
 
     def announce(address: str, _metrics_port: int) -> None:
         os.write(ready_fd, address.encode() + b"\n")
@@ -73,6 +75,9 @@ def worker_entry() -> None:
     except ListenError as exc:
         sys.stderr.write(f"pd-extproc serve: worker {role.index}: {exc}\n")
         sys.exit(EXIT_WORKER_FAILED)
+    except ConfigError as exc:  # found only while building the server (a name that does not resolve)
+        sys.stderr.write(f"pd-extproc: worker {role.index}: {exc}\n")
+        sys.exit(EXIT_CONFIG)
 
 
 _WORKER_COMMAND = "from extproc.supervisor import worker_entry; worker_entry()"
@@ -137,8 +142,8 @@ class Supervisor:
         settings = dataclasses.replace(self.settings, grpc_listen=worker_listen(self.settings.grpc_listen, index))
         try:
             # Its own process group: a terminal's Ctrl-C reaches the workers once, through the supervisor.
-            process = subprocess.Popen([sys.executable, "-c", _WORKER_COMMAND, str(write_fd)], stdin=subprocess.PIPE,
-                                       pass_fds=(write_fd,), process_group=0)
+            argv = [sys.executable, "-c", _WORKER_COMMAND, str(write_fd), str(os.getpid())]
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=(write_fd,), process_group=0)
         finally:
             os.close(write_fd)
         assert process.stdin is not None
@@ -151,8 +156,10 @@ class Supervisor:
             self._kill(process, signal.SIGTERM)
         return process, read_fd
 
-    async def _keep(self, index: int, first: asyncio.Future[bool]) -> None:
-        """Run worker ``index`` until the supervisor stops; restart it whenever it exits."""
+    async def _keep(self, index: int, first: asyncio.Future[int]) -> None:
+        """Run worker ``index`` until the supervisor stops; restart it whenever it exits. ``first`` gets
+        0 once its first start is ready, or the exit status of a first start that never was (a bad
+        setting or a taken port, which a restart would not cure: the supervisor stops)."""
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
@@ -161,10 +168,10 @@ class Supervisor:
                 await _readable(ready)
                 ok = bool(os.read(ready, 4096))  # EOF: it exited before it was ready
                 self.ready[index] = ok
-                if not first.done():
-                    first.set_result(ok)
-                log.info("worker started" if ok else "worker exited before it was ready",
-                         extra={"worker": index, "pid": process.pid})
+                if ok:
+                    log.info("worker started", extra={"worker": index, "pid": process.pid})
+                    if not first.done():
+                        first.set_result(0)
                 while ok:  # nothing more is written: readable again means EOF, the worker exited
                     await _readable(ready)
                     if not os.read(ready, 4096):
@@ -175,6 +182,9 @@ class Supervisor:
             self.ready[index] = False
             self.block.zero(index)
             self._retire(index)
+            if not first.done():
+                first.set_result(process.returncode if process.returncode > 0 else EXIT_WORKER_FAILED)
+                return
             if self.draining:
                 return
             log.warning("worker exited; restarting it", extra={"worker": index, "pid": process.pid,
@@ -244,7 +254,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
-        firsts = [loop.create_future() for _ in self.roles]
+        firsts: list[asyncio.Future[int]] = [loop.create_future() for _ in self.roles]
         keepers = [asyncio.create_task(self._keep(index, first)) for index, first in enumerate(firsts)]
         stop = asyncio.ensure_future(self._stop.wait())
         started = asyncio.gather(*firsts)
@@ -252,15 +262,16 @@ class Supervisor:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         status = 0
         if not self._stop.is_set():
-            if all(first.result() for first in firsts):
+            failed = [first.result() for first in firsts if first.result() != 0]
+            if not failed:
                 log.info("workers listening", extra={"workers": len(self.roles), "metrics_port": self.metrics_port,
                                                      "grpc": str(self.settings.grpc_listen)})
                 if on_ready is not None:
                     on_ready(str(self.settings.grpc_listen), self.metrics_port)
                 await stop
             else:
-                log.error("a worker exited before it was ready; stopping", extra={"workers": len(self.roles)})
-                status = EXIT_WORKER_FAILED
+                log.error("a worker exited before it was ready; stopping", extra={"exitcode": failed[0]})
+                status = failed[0]
         stop.cancel()
         log.info("draining", extra={"grace_seconds": self.settings.drain_timeout, "inflight": self.block.total()})
         self._begin_drain()
@@ -282,7 +293,7 @@ class Supervisor:
 
 
 async def supervise(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> int:
-    """Run the workers until SIGTERM or SIGINT; the exit status (0, or 1 if a worker could not start)."""
+    """Run the workers until SIGTERM or SIGINT; the exit status (0, or a worker's that could not start)."""
     supervisor = Supervisor(settings)
     try:
         return await supervisor.run(on_ready)

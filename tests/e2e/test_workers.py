@@ -233,3 +233,14 @@ def test_a_worker_that_cannot_listen_stops_the_supervisor() -> None:
     assert process.returncode == 1
     assert f"worker 1: cannot listen on 127.0.0.1:{port} (grpc_listen)" in err and "Traceback" not in err
     assert "ready" not in out
+
+
+def test_a_config_error_found_by_a_worker_exits_2_like_serve(tmp_path: Path) -> None:
+    """A decode name that does not resolve is found while a worker builds its server: the supervisor
+    exits 2 (a configuration error, as a single `serve` does) with the worker's message."""
+    process = serve("--workers", "2", "--grpc-listen", f"unix:{tmp_path}/extproc.sock",
+                    "--decode", "no-such-host.invalid:8200", "--drain-timeout", "2s")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "the decode worker's name no-such-host.invalid does not resolve" in err and "Traceback" not in err
+    assert "ready" not in out
