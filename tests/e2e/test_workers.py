@@ -70,6 +70,12 @@ def accepts(path: str) -> bool:
         return True
 
 
+def draining_workers(stack: Stack) -> int:
+    """Workers that logged the start of their drain (the supervisor logs its own under another logger)."""
+    return sum(1 for line in stack.server_log().splitlines()
+               if '"logger":"extproc.server"' in line and '"msg":"draining"' in line)
+
+
 def count(samples: dict[str, float], name: str) -> float:
     return samples.get(name, 0.0)
 
@@ -162,10 +168,15 @@ def test_sigterm_drains_every_worker_and_the_supervisor_exits_0() -> None:
                 ready = await asyncio.to_thread(
                     eventually, lambda: httpx.get(stack.metrics_url + "/readyz", timeout=5).status_code == 503)
                 assert ready, "/readyz answers 503 while draining"
+                assert await asyncio.to_thread(eventually, lambda: draining_workers(stack) == 2), stack.server_log()
+                late = await client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers())
+                assert_error(late, 503, late.json()["error"]["code"])
+                assert late.json()["error"]["code"] in ("pd_shutting_down", "pd_extproc_unavailable")
                 return await held, await asyncio.to_thread(supervisor.wait, 40)
 
         held, status = asyncio.run(run())
         assert held.status_code == 200, held.text
+        assert len(stack.prefill.requests()) == 1 and len(stack.decode.requests()) == 1, "the late one ran no leg"
         assert status == 0
         assert not any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
                        for pid in workers)
