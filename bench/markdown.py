@@ -37,8 +37,9 @@ SYSTEM_DESCRIPTIONS = {
                    "-> decode",
     "pd-extproc": "client -> our Envoy + `pd-extproc serve` (gRPC over a Unix socket, as `pd-extproc up` runs it) "
                   "-> prefill leg, handoff check, body rewrite -> decode (pulls KV from prefill)",
-    "pd-extproc-x2": "the same with two `pd-extproc serve` processes behind one Envoy (its ext_proc cluster has "
-                     "both Unix sockets as endpoints, round robin per stream; cheap workers only)",
+    "pd-extproc-x2": "the same with `pd-extproc serve --workers 2`: a supervisor and two worker processes behind "
+                     "one Envoy (its ext_proc cluster has both Unix sockets as endpoints, LEAST_REQUEST; one "
+                     "in-flight limit; cheap workers only)",
     "floor-cxx": "client -> our Envoy bootstrap (route pd, x-prefiller-host-port set) + a compiled ext_proc server "
                  "that does nothing (bench/floor/ext_proc_floor.cc, grpc++ callback API): continue on the headers, "
                  "the same body back with its content-length -> decode (the design's floor; cheap workers only)",
@@ -264,7 +265,7 @@ def scaling(summary: dict[str, Any]) -> list[str]:
             f"{theirs:.0f} µs.", "",
             "Model: N cores given to the proxy alone (workers elsewhere), one server process per core, throughput "
             "= N / CPU per request (no contention between processes assumed: each P/D request is independent "
-            "and Envoy spreads streams round robin over the sockets). It is a ceiling, not a measurement.", "",
+            "and Envoy spreads streams over the sockets). It is a ceiling, not a measurement.", "",
             *_table(["cores", "pd-extproc req/s (1-process CPU)", "pd-extproc req/s (2-process CPU)",
                      "vllm-router req/s", "ratio (ours / vllm-router)"], rows), ""]
 

@@ -12,8 +12,9 @@ and the systems of a set:
   envoy             plain Envoy, router filter only ("Envoy alone")
   passthrough       our Envoy bootstrap (render_yaml, with the client guard), request without x-prefiller-host-port
   pd-extproc        our Envoy bootstrap + ``pd-extproc serve``, request with x-prefiller-host-port
-  pd-extproc-x2     the same with two ``pd-extproc serve`` processes, Envoy balancing streams over their
-                    two Unix sockets (cheap set only: what a second core buys)
+  pd-extproc-x2     the same with ``pd-extproc serve --workers 2`` (a supervisor and two worker processes),
+                    Envoy balancing streams over their two Unix sockets (cheap set only: what a second
+                    core buys)
   floor-aio         our Envoy bootstrap (route pd) + a grpc.aio ext_proc servicer that does nothing: our
                     transport's floor (bench/floor; cheap set only)
   floor-cxx         the same with a compiled do-nothing ext_proc server (grpc++): the design's floor
@@ -35,18 +36,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
 from bench.workload import MODEL as WORKLOAD_MODEL
 from extproc.config import load_settings
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
-from extproc.envoy.bootstrap import EXT_PROC_CLUSTER, render_yaml
+from extproc.envoy.bootstrap import render_yaml
 from extproc.units import parse_address
 from pd_extproc_lab import process
-from pd_extproc_lab.process import python_child
-from pd_extproc_lab.stack import RunningStack, settings_env, start_stack, without_settings
+from pd_extproc_lab.stack import RunningStack, start_stack
 
 REPO = Path(__file__).resolve().parents[1]
 ROUTER_VERSION = "0.1.17"
@@ -118,6 +116,7 @@ class Fleet:
                 self.sets[name] = WorkerSet(name, CheapWorker(engine, "prefill", log_dir, f"{name}-prefill"),
                                             CheapWorker(engine, "decode", log_dir, f"{name}-decode"))
         self.children: list[process.Child] = []
+        self.stacks: list[RunningStack] = []  # stacks of their own (serve --workers 2)
         self.envoys: dict[str, process.EnvoyProcess] = {}
 
     def systems(self) -> Iterator[System]:
@@ -166,6 +165,8 @@ class Fleet:
         for worker_set in self.sets.values():
             if worker_set.pd is not None:
                 worker_set.pd.stop()
+        for stack in self.stacks:
+            stack.stop()
         for envoy in self.envoys.values():
             envoy.child.stop()
         for child in reversed(self.children):
@@ -232,32 +233,24 @@ class Fleet:
         )
 
     def _start_two_servers(self, worker_set: WorkerSet) -> None:
-        """Two servers (the pd stack's settings, each on its own socket) behind one Envoy whose ext_proc
-        cluster has both as endpoints (round robin, per stream)."""
+        """``pd-extproc serve --workers 2`` (the pd stack's settings): a supervisor and two worker
+        processes, each on its own Unix socket, behind its own Envoy whose ext_proc cluster lists both
+        (render_yaml, LEAST_REQUEST). The CPU accounted is both workers' and the supervisor's."""
         assert worker_set.pd is not None
         workdir = self._subdir(f"{worker_set.name}-pd-x2")
-        base = worker_set.pd.settings
-        sockets = [workdir / "extproc-1.sock", workdir / "extproc-2.sock"]
-        pids = []
-        for number, path in enumerate(sockets, 1):
-            settings = dataclasses.replace(base, grpc_listen=parse_address(f"unix:{path}", allow_unix=True))
-            child = python_child(f"pd-extproc-serve-{number}", ["serve"],
-                                 {**without_settings(os.environ), **settings_env(settings)}, workdir)
-            self.children.append(child)
-            child.start()
-            child.wait_ready(30)
-            assert child.process is not None
-            pids.append(child.process.pid)
-        config = yaml.safe_load(render_yaml(dataclasses.replace(
-            base, grpc_listen=parse_address(f"unix:{sockets[0]}", allow_unix=True))))
-        cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == EXT_PROC_CLUSTER)
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-            {"endpoint": {"address": {"pipe": {"path": str(path)}}}} for path in sockets]
-        name = f"{worker_set.name}-pd-x2"
-        url = self._launch_envoy(name, yaml.safe_dump(config, sort_keys=False))
+        settings = dataclasses.replace(worker_set.pd.settings, workers=2)
+        stack = start_stack(settings, workdir, grpc_unix=True)
+        self.stacks.append(stack)
+        assert stack.server is not None and stack.server.process is not None and stack.envoy is not None
+        supervisor = stack.server.process.pid
+        workers = sorted(int(pid) for pid in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split())
+        if len(workers) != 2:
+            raise process.StackError(f"serve --workers 2 runs {len(workers)} worker processes; see {workdir}")
+        assert stack.envoy.child.process is not None
         worker_set.systems["pd-extproc-x2"] = System(
-            "pd-extproc-x2", url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
-            processes={"pd-extproc": pids[0], "pd-extproc-2": pids[1], "envoy": self._envoy_pid(name)},
+            "pd-extproc-x2", stack.url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address}, pd=True,
+            processes={"pd-extproc": workers[0], "pd-extproc-2": workers[1], "pd-extproc-supervisor": supervisor,
+                       "envoy": stack.envoy.child.process.pid},
             workers=worker_set.name)
 
     def _start_floor(self, worker_set: WorkerSet, name: str, argv: list[str]) -> None:

@@ -12,6 +12,7 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable
+from functools import partial
 from math import nan
 from typing import TYPE_CHECKING
 
@@ -32,8 +33,9 @@ from extproc.observability.metrics import Metrics
 from extproc.settings_spec import SecretFileError
 from extproc.units import Address
 from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
-from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.decode_queue import DecodeQueueWatch, QueueLimit
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress
+from extproc.workers import SharedAdmission, SharedBlock, SharedQueueReading, WorkerRole
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import Tracing
@@ -72,11 +74,15 @@ def _decode_target(decode: Address) -> ResolvedTarget:
 DECODE_METRICS_MAX_BYTES = 16 << 20
 
 
-def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget,
-                  metrics: Metrics) -> DecodeQueueWatch | None:
+def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget, metrics: Metrics,
+                  block: SharedBlock | None = None, index: int = 0) -> DecodeQueueWatch | QueueLimit | None:
+    """The decode-queue watch; with several workers only worker 0 runs it (one scrape of the decode
+    worker, not N) and publishes each reading in the shared block, where the others read it."""
     engine = engines().get(settings.adapter)
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
+    if block is not None and index != 0:
+        return SharedQueueReading(block, settings.decode_queue_limit, settings.decode_queue_interval)
     interval = settings.decode_queue_interval
     # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
     # size cap apply to it.
@@ -85,7 +91,8 @@ def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTar
         max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)
     watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
                              settings.decode_queue_interval,
-                             on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc())
+                             on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc(),
+                             on_reading=None if block is None else partial(SharedQueueReading.publish, block))
     # Read at scrape time from the watch, the reading's one owner: NaN exactly when the limit has
     # nothing fresh to act on.
     metrics.decode_queue.set_function(lambda: nan if watch.waiting is None else watch.waiting)
@@ -107,12 +114,22 @@ class ListenError(OSError):
 
 
 class ExtProcServer:
-    """The server and everything it owns, built from Settings. Construct inside the running loop."""
+    """The server and everything it owns, built from Settings. Construct inside the running loop.
 
-    def __init__(self, settings: Settings) -> None:
+    With a ``role`` it is one worker of several (``serve --workers N``): its admission counts in the
+    shared block, its HTTP endpoint is a private Unix socket the supervisor scrapes, and only worker 0
+    watches the decode queue."""
+
+    def __init__(self, settings: Settings, role: WorkerRole | None = None) -> None:
         self.settings = settings
+        self.role = role
         self.metrics = Metrics()
-        self.admission = Admission(limit=settings.max_inflight)
+        self.block: SharedBlock | None = None
+        if role is None:
+            self.admission = Admission(limit=settings.max_inflight)
+        else:
+            self.block = SharedBlock(role.block_path, role.workers)
+            self.admission = SharedAdmission(limit=settings.max_inflight, block=self.block, index=role.index)
         self.policy = PrefillPolicy(settings.prefill_allow, allow_loopback=settings.demo)
         self.prefill = WorkerClient(WorkerLimits(
             connect_timeout=settings.prefill_connect_timeout,
@@ -128,7 +145,8 @@ class ExtProcServer:
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
         decode = _decode_target(settings.decode)
-        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics)
+        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.block,
+                                          0 if role is None else role.index)
         self.processor = PdProcessor(
             adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
@@ -180,12 +198,15 @@ class ExtProcServer:
     async def start(self) -> None:
         listen = self.settings.metrics_listen
         try:
-            self.metrics_port = await self.http.start(listen.host, listen.port)
+            if self.role is not None:
+                await self.http.start_unix(str(self.role.metrics_socket))
+            else:
+                self.metrics_port = await self.http.start(listen.host, listen.port)
         except OSError as exc:
             raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
                               "with --metrics-listen") from None
         await self.grpc.start()
-        if self.decode_queue is not None:
+        if isinstance(self.decode_queue, DecodeQueueWatch):
             self.decode_queue.start()
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -209,7 +230,7 @@ class ExtProcServer:
         await self.grpc.stop(self.settings.drain_timeout - notice)
         # Concurrent-flow prefill requests still running: the rest of the grace period, then cancelled.
         await self.background.drain(grace_ends - loop.time())
-        if self.decode_queue is not None:
+        if isinstance(self.decode_queue, DecodeQueueWatch):
             await self.decode_queue.stop()
         await self.prefill.aclose()
         await self.http.close()
@@ -217,9 +238,10 @@ class ExtProcServer:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued
 
 
-async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None) -> None:
+async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None,
+                role: WorkerRole | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain. A second signal stops at once."""
-    server = ExtProcServer(settings)
+    server = ExtProcServer(settings, role)
     await server.start()
     log.info("ext_proc server listening", extra={
         "address": server.address, "metrics_port": server.metrics_port, "settings": settings.describe()})

@@ -57,6 +57,10 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            if settings.workers > 1:  # a supervisor and N worker processes (docs/workers.md)
+                from extproc.supervisor import supervise
+
+                return runner.run(supervise(settings, announce))
             runner.run(serve(settings, announce))
     except ListenError as exc:
         sys.stderr.write(f"pd-extproc serve: {exc}\n")

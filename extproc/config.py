@@ -115,7 +115,11 @@ class Settings:
     client_body_timeout: float = setting(30.0, positive_duration, "time a client has to send the whole request")
     decode_idle_timeout: float = setting(300.0, positive_duration, "longest silence on a decode stream")
     drain_timeout: float = setting(30.0, positive_duration, "grace period for in-flight requests on shutdown")
-    max_inflight: int = setting(1024, positive_int, "in-flight P/D requests before 503 pd_overloaded")
+    max_inflight: int = setting(1024, positive_int, "in-flight P/D requests before 503 pd_overloaded (one limit "
+                                "across every worker process: with N workers it may be passed by at most N-1)")
+    workers: int = setting(
+        1, positive_int, "server processes: 1 = one process (today's); N > 1 = a supervisor and N worker processes, "
+        "worker i on <grpc_listen>-i (Unix) or port + i (TCP), all in Envoy's ext_proc cluster (docs/workers.md)")
     metrics_listen: Address = setting(Address("0.0.0.0", 9190), lambda t: parse_address(t, allow_port_zero=True),
                                       "HTTP host:port for /metrics, /healthz and /readyz")
     prefill_allow: tuple[Rule, ...] = setting(
@@ -292,8 +296,29 @@ def check_consistency(settings: Settings) -> list[str]:
     if (settings.prefill_ca_file or settings.prefill_cert_file or settings.prefill_server_name) \
             and not settings.prefill_tls:
         problems.append("prefill TLS files or server name are set but prefill_tls is false")
+    problems.extend(_workers_problems(settings))
     if settings.max_prefill_response_bytes > settings.max_request_bytes:
         problems.append("max_prefill_response_bytes must not exceed max_request_bytes")
+    return problems
+
+
+# More processes than this is a typo (a decode node has tens of cores, not thousands).
+MAX_WORKERS = 256
+
+
+def _workers_problems(settings: Settings) -> list[str]:
+    """Worker i listens on grpc_listen's port + i (TCP): the base port must be fixed and leave room."""
+    if settings.workers == 1:
+        return []
+    problems = []
+    if settings.workers > MAX_WORKERS:
+        problems.append(f"workers must not exceed {MAX_WORKERS}")
+    listen = settings.grpc_listen
+    if not listen.is_unix and listen.port == 0:
+        problems.append("workers > 1 needs grpc_listen on a fixed port or a Unix socket (worker i listens on "
+                        "port + i, and Envoy must know each)")
+    elif not listen.is_unix and listen.port + settings.workers - 1 > 65535:
+        problems.append(f"workers: grpc_listen port {listen.port} + {settings.workers - 1} is past 65535")
     return problems
 
 

@@ -46,7 +46,7 @@ from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
 from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
-from extproc.upstream.decode_queue import DecodeQueueWatch
+from extproc.upstream.decode_queue import QueueLimit
 from extproc.upstream.discovery import ServerInfoCache
 from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 
@@ -105,7 +105,7 @@ class PdProcessor:
         metrics: Metrics,
         background: BackgroundPrefills,
         decode: ResolvedTarget,
-        decode_queue: DecodeQueueWatch | None = None,
+        decode_queue: QueueLimit | None = None,
         fallback: bool = False,
         serve_unsupported: bool = False,
         tracing: Tracing | None = None,

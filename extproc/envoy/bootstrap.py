@@ -23,6 +23,7 @@ from extproc.envoy.guard import LUA_RESPONSE_DETAILS, disabled_on_route, guard_f
 from extproc.envoy.messages import METADATA_NAMESPACE
 from extproc.errors import SPEC, Code
 from extproc.units import Address, format_duration
+from extproc.workers import worker_listens
 
 EXT_PROC_CLUSTER = "pd_extproc"
 ENVOY_ADMIN_CLUSTER = "envoy_admin"
@@ -318,7 +319,9 @@ def _stats_listener(address: Address) -> dict[str, Any]:
 
 def render(settings: Settings) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
-    ext_proc_at = _connect_address(settings.grpc_listen)
+    # Several worker processes (serve --workers N): one endpoint each, health-checked each.
+    ext_proc_at = [_connect_address(address) for address in worker_listens(settings.grpc_listen, settings.workers)] \
+        if settings.workers > 1 else [_connect_address(settings.grpc_listen)]
     decode_host_is_ip = _is_ip(settings.decode.host)
     high = max(4096, settings.max_inflight * 4)
     clusters = [
@@ -348,8 +351,11 @@ def render(settings: Settings) -> dict[str, Any]:
                 "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
             }],
             "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+            # Several workers: streams in flight, not streams started, are what to even out (a P/D
+            # stream lives as long as its prefill leg).
+            **({"lb_policy": "LEAST_REQUEST"} if len(ext_proc_at) > 1 else {}),
             "load_assignment": {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket_address(ext_proc_at)}}]},
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(address)}} for address in ext_proc_at]},
             ]},
         },
         {

@@ -55,6 +55,10 @@ class HttpServer:
         self._server = await asyncio.start_server(self._serve, host, port, limit=1 << 20, backlog=4096, ssl=tls)
         return int(self._server.sockets[0].getsockname()[1])
 
+    async def start_unix(self, path: str) -> None:
+        """On a Unix socket (a worker's private endpoint, scraped by its supervisor)."""
+        self._server = await asyncio.start_unix_server(self._serve, path, limit=1 << 20, backlog=64)
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()

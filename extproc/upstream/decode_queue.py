@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from extproc.adapters.base import QueueGauges
 from extproc.errors import PdError
@@ -33,6 +34,12 @@ def waiting_from(text: str, names: Sequence[str]) -> float | None:
     return sum(values) if values else None
 
 
+class QueueLimit(Protocol):
+    """What the processor asks: the watch itself, or (a worker of several) the reading it shares."""
+
+    def over_limit(self) -> bool: ...
+
+
 class DecodeQueueWatch:
     """Owns the last reading and the transport it reads with (closed by ``stop``). ``waiting`` is what
     the limit and the gauge both see; ``on_failure`` counts each scrape that gave no reading; a
@@ -40,7 +47,8 @@ class DecodeQueueWatch:
 
     def __init__(self, transport: Transport, decode: ResolvedTarget, gauges: QueueGauges, limit: int,
                  interval: float, on_failure: Callable[[str], None] = lambda _: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_reading: Callable[[float, float], None] | None = None) -> None:
         self._transport = transport
         self._decode = decode
         self._gauges = gauges
@@ -48,6 +56,7 @@ class DecodeQueueWatch:
         self._interval = interval
         self._on_failure = on_failure
         self._clock = clock
+        self._on_reading = on_reading  # (waiting, when): each reading, for the other worker processes
         self._waiting: float | None = None
         self._read_at = float("-inf")
         self._failing = False
@@ -85,6 +94,8 @@ class DecodeQueueWatch:
         if self._failing:
             log.info("decode queue readings resumed", extra={"waiting": waiting})
         self._waiting, self._read_at, self._failing = waiting, self._clock(), False
+        if self._on_reading is not None:
+            self._on_reading(waiting, self._read_at)
 
     def _failed(self, reason: str) -> None:
         """No reading: the last one ages out by itself (three intervals after it was taken)."""

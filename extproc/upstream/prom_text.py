@@ -1,4 +1,5 @@
-"""Sample values out of a Prometheus text page (exposition format 0.0.4), for the few gauges we read.
+"""Sample values out of a Prometheus text page (exposition format 0.0.4), for the few gauges we read
+and for merging our workers' pages (extproc/observability/merge.py).
 
 Only what we need: the value of each sample of the named metrics, whatever its labels and with or
 without a timestamp. Label values are quoted and may hold spaces, braces and escaped quotes.
@@ -46,3 +47,23 @@ def sample_values(text: str, names: Set[str]) -> Iterator[float]:
             yield float(fields[0])
         except ValueError:
             continue
+
+
+def series_and_value(line: str) -> tuple[str, str, float] | None:
+    """A sample line's series (name and label text, as written), its name and its value; None for a
+    line that is not a well-formed sample. A timestamp, if any, is dropped."""
+    name = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else ""
+    if not name or name.startswith("#"):
+        return None
+    end: int | None = len(name)
+    if line[len(name):len(name) + 1] == "{":
+        end = _after_labels(line, len(name))
+    if end is None:
+        return None
+    fields = line[end:].split()
+    if not 1 <= len(fields) <= 2:
+        return None
+    try:
+        return line[:end], name, float(fields[0])
+    except ValueError:
+        return None

@@ -19,6 +19,8 @@ VARIANTS = {
     "unix-socket": {"PD_EXTPROC_GRPC_LISTEN": "unix:/var/run/pd-extproc/extproc.sock"},
     "trusted-sources": {"PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8,fd00::/8"},
     "trust-client-steering": {"PD_EXTPROC_TRUST_CLIENT_STEERING": "true"},
+    "workers-unix": {"PD_EXTPROC_GRPC_LISTEN": "unix:/var/run/pd-extproc/extproc.sock", "PD_EXTPROC_WORKERS": "3"},
+    "workers-tcp": {"PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:50051", "PD_EXTPROC_WORKERS": "2"},
     "dns-decode": {"PD_EXTPROC_DECODE": "vllm-decode.local:8200", "PD_EXTPROC_PREFILL_DEADLINE": "5m",
                    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": "10m", "PD_EXTPROC_MAX_REQUEST_BYTES": "64MiB"},
 }
