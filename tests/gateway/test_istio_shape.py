@@ -161,3 +161,16 @@ def test_pd_extprocs_own_json_errors_are_not_rewritten(istio: GatewayStack) -> N
     assert_error(post(istio, CHAT, chat_body(max_tokens=2)), 503, "prefill_upstream_error")
     assert_error(post(istio, CHAT, chat_body(n=2)), 400, "unsupported_pd_variant")
     assert served(istio) == dict.fromkeys(DECODES, 0)
+
+
+def test_the_picker_down_fails_closed_and_is_reported_as_pd_extproc_unavailable() -> None:
+    """The pool's failureMode FailClose becomes the picker route override's failure_mode_allow false: no
+    decode without a pick. The mappers cannot tell the picker's ext_proc errors from ours (both are
+    Envoy's ext_proc_error_* details), so the client reads pd_extproc_unavailable (docs/gateway.md). A
+    stack of its own: the picker is not restarted."""
+    with gateway_stack(shape=istio_shape, replicas=1) as stack:
+        stack.picker.stop()
+        response = post(stack, CHAT, chat_body(max_tokens=2))
+        assert_error(response, 503, "pd_extproc_unavailable")
+        assert stack.pd_streams() == 0
+        assert_nothing_reached_an_engine(stack)
