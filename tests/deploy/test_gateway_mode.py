@@ -810,7 +810,7 @@ def istio_base_gateway(objects: Rendered) -> dict[str, Any]:
     :101-112; Telemetry's istio.stats, not in upstream Envoy, left out; the router), the route of the
     HTTPRoute rule (route/route.go:488-547: its name, the picker enabled by ExtProcPerRoute overrides; the
     rule's header removal), and the pool's cluster with override_host on the picker's envoy.lb metadata
-    (networking/core/cluster.go:363-365, cluster_builder.go:208-262). Endpoints are placeholders."""
+    (networking/core/cluster.go:363-365, cluster_builder.go:208-267). Endpoints are placeholders."""
     route = objects.get("HTTPRoute", "pd-route")
     ns = route["metadata"]["namespace"]
     (rule,) = route["spec"]["rules"]
@@ -917,7 +917,7 @@ def apply_istio_patches(bootstrap: dict[str, Any], envoy_filters: list[dict[str,
 
 def istio_gateway_shape(objects: Rendered, reverse: bool = False) -> dict[str, Any]:
     """pd-gateway's listener after k8s/gateway-mode/istio's EnvoyFilters (same priority: Istio orders them by
-    creation time, push_context.go:2303-2310, unknown here; ``reverse`` applies them the other way round)."""
+    creation time, push_context.go:2303-2319, unknown here; ``reverse`` applies them the other way round)."""
     filters = istio_envoy_filters(objects)
     return apply_istio_patches(istio_base_gateway(objects), filters[::-1] if reverse else filters)
 
