@@ -791,7 +791,7 @@ def test_envoy_rejects_the_shape_with_a_planted_error() -> None:
 # istio/istio @ b8d1df54465060428c2a2a38286e360beb85fb31 (1.28.0); docs/gateway-chains.md has the lines.
 ISTIO_GRPC_STATS = "envoy.filters.http.grpc_stats"  # pkg/wellknown/wellknown.go:55
 ISTIO_FAULT, ISTIO_CORS = "envoy.filters.http.fault", "envoy.filters.http.cors"
-ISTIO_LB_NAMESPACE, ISTIO_ENDPOINT_HINT = "envoy.lb", DESTINATION_HEADER  # constants.EnvoySubsetNamespace, ...HintKey
+ISTIO_LB_NAMESPACE, ISTIO_ENDPOINT_HINT = "envoy.lb", DESTINATION_HEADER  # pkg/config/constants/constants.go:216,218
 
 
 def istio_outbound_cluster(name: str, namespace: str, port: int) -> str:
