@@ -228,8 +228,9 @@ _GATEWAY_NOTE = """\
 #   clusters:            the ext_proc gRPC service (point it at the pd-extproc Service)
 #   local_reply_mappers: first in the connection manager's local_reply_config.mappers (scoped to that route)
 #   early_header_mutation_extensions: in the connection manager: only the picker may set these headers
-# Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error, failure_mode_allow,
-# message_timeout, processing_mode or allowed_override_modes (README, docs/gateway.md).
+# Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error (510: the mappers tell our filter's
+# failures from the picker's by it), failure_mode_allow, message_timeout, processing_mode or
+# allowed_override_modes (README, docs/gateway.md).
 """
 
 
