@@ -19,7 +19,7 @@ from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
 from extproc.envoy.guard import lua_source, stripped_headers
-from extproc.envoy.parts import early_header_mutation, local_reply_mappers
+from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, early_header_mutation, gateway_local_reply_mappers
 from extproc.errors import SPEC, Code, error_body
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
@@ -35,8 +35,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 ENVOY_DEFAULT_MESSAGE_TIMEOUT = 0.2
 ISTIO_ROUTER = "envoy.filters.http.router"
 ISTIO_PICKER_FILTER = "envoy.filters.http.ext_proc"  # pilot/pkg/xds/filters/filters.go @ 1.28.0
-# Envoy Gateway: pd-extproc's statusOnError, which the route's responseOverride turns into our JSON 503.
-UNREACHABLE_MARK = 510
+# pd-extproc's statusOnError, which the route's responseOverride (Envoy Gateway) or the local-reply mappers
+# (Istio, --parts) turn into our JSON 503: one value for every gateway shape.
+UNREACHABLE_MARK = GATEWAY_STATUS_ON_ERROR
 
 
 class Rendered:
@@ -494,8 +495,8 @@ def test_istios_ext_proc_settings_match_envoy_gateways() -> None:
     config = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
     ours = _extprocs()[1]
     assert config["failure_mode_allow"] is False and ours["failOpen"] is False
-    # Istio has no responseOverride: its status is the one Envoy Gateway's override answers.
-    assert config["status_on_error"] == {"code": SPEC[Code.PD_EXTPROC_UNAVAILABLE].status}
+    # The same mark in both: Istio's mappers, like Envoy Gateway's responseOverride, turn it into our JSON 503.
+    assert config["status_on_error"] == {"code": UNREACHABLE_MARK}
     assert ours["statusOnError"] == UNREACHABLE_MARK
     assert parse_duration(config["message_timeout"]) == parse_duration(ours["messageTimeout"])
     assert config["allow_mode_override"] is ours["processingMode"]["allowModeOverride"]
@@ -964,13 +965,31 @@ def test_istios_local_replies_are_the_parts_mappers_scoped_to_the_inference_rout
     (patch,) = objects.get("EnvoyFilter", "pd-extproc-local-replies")["spec"]["configPatches"]
     assert patch["applyTo"] == "NETWORK_FILTER" and patch["patch"]["operation"] == "MERGE"
     mappers = patch["patch"]["value"]["typed_config"]["local_reply_config"]["mappers"]
-    assert mappers == local_reply_mappers(name)
+    assert mappers == gateway_local_reply_mappers(name)
     for mapper in mappers:
         expression = mapper["filter"]["extension_filter"]["typed_config"]["expression"]
         assert expression.startswith(f"xds.route_name == '{name}' && (")
-    # pd-extproc's own status_on_error is the status the unavailable mapper gives (503).
+    # pd-extproc's own status_on_error is the mark the unavailable mapper reads (the picker's failures are not).
     ours = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
-    assert ours["status_on_error"]["code"] == SPEC[Code.PD_EXTPROC_UNAVAILABLE].status
+    assert ours["status_on_error"]["code"] == UNREACHABLE_MARK
+    (unavailable,) = [m for m in mappers if m["body_format_override"]["json_format"]["error"]["code"]
+                      == Code.PD_EXTPROC_UNAVAILABLE.value]
+    assert f"response.code == {UNREACHABLE_MARK})" in unavailable["filter"]["extension_filter"]["typed_config"][
+        "expression"] and unavailable["status_code"] == SPEC[Code.PD_EXTPROC_UNAVAILABLE].status
+
+
+def test_the_generator_refuses_an_envoy_filter_whose_status_the_mappers_do_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """envoyfilter.yaml is hand-written and client-guard.yaml's mappers depend on its status_on_error: `make
+    manifests` fails naming the file rather than render mappers that would label pd-extproc down a
+    gateway_error."""
+    planted = tmp_path / "envoyfilter.yaml"
+    planted.write_text(rm.ISTIO_EXT_PROC.read_text().replace(f"status_on_error: {{code: {UNREACHABLE_MARK}}}",
+                                                             "status_on_error: {code: 503}"))
+    assert rm.istio_status_on_error(planted) == 503 and rm.istio_status_on_error() == UNREACHABLE_MARK
+    monkeypatch.setattr(rm, "ISTIO_EXT_PROC", planted)
+    with pytest.raises(ValueError, match=f"status_on_error is 503.*expect {UNREACHABLE_MARK}"):
+        rm.istio_envoy_filters()
 
 
 def test_what_istio_renders_with_these_envoy_filters_is_a_valid_envoy_config() -> None:

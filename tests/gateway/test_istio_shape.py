@@ -129,9 +129,9 @@ def test_a_decode_only_pick_passes_untouched_after_one_headers_message(istio: Ga
 
 
 def test_pd_extproc_down_is_our_json_503_and_reaches_no_engine(istio: GatewayStack) -> None:
-    """status_on_error 503 and the merged local-reply mappers (scoped to llm.pd-route.0): with every replica
-    down a P/D request and a decode-only one (our filter makes a headers exchange for it) get pd-extproc's
-    documented JSON 503, never a decode without its handoff."""
+    """status_on_error 510 (envoyfilter.yaml, parts.GATEWAY_STATUS_ON_ERROR) and the merged local-reply mappers
+    (scoped to llm.pd-route.0): with every replica down a P/D request and a decode-only one (our filter makes
+    a headers exchange for it) get pd-extproc's documented JSON 503, never a decode without its handoff."""
     for replica in istio.replicas:
         replica.child.stop(sig=signal.SIGKILL)
     try:
@@ -163,14 +163,16 @@ def test_pd_extprocs_own_json_errors_are_not_rewritten(istio: GatewayStack) -> N
     assert served(istio) == dict.fromkeys(DECODES, 0)
 
 
-def test_the_picker_down_fails_closed_and_is_reported_as_pd_extproc_unavailable() -> None:
+def test_the_picker_down_fails_closed_as_a_gateway_error_not_pd_extproc_unavailable() -> None:
     """The pool's failureMode FailClose becomes the picker route override's failure_mode_allow false: no
-    decode without a pick. The mappers cannot tell the picker's ext_proc errors from ours (both are
-    Envoy's ext_proc_error_* details), so the client reads pd_extproc_unavailable (docs/gateway.md). A
-    stack of its own: the picker is not restarted."""
+    decode without a pick. Istio's picker filter sets no status_on_error (Envoy's default, 500) and ours
+    answers 510, so the mappers, which see ext_proc_error_* details from both, label only ours
+    pd_extproc_unavailable: the picker's failure is gateway_error with its 500. A stack of its own: the
+    picker is not restarted."""
     with gateway_stack(shape=istio_shape, replicas=1) as stack:
         stack.picker.stop()
         response = post(stack, CHAT, chat_body(max_tokens=2))
-        assert_error(response, 503, "pd_extproc_unavailable")
+        assert assert_error(response, 500, "gateway_error")["type"] == "server_error"
+        assert "pd_extproc" not in response.text
         assert stack.pd_streams() == 0
         assert_nothing_reached_an_engine(stack)
