@@ -170,7 +170,8 @@ clean:
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
 # `make manifests` regenerates envoy/envoy.{vllm,sglang,trtllm}.yaml and k8s/base/pd-extproc-config.yaml
 # from the settings files envoy/pd-extproc.env + envoy/engine.*.env and k8s/base/pd-extproc.env, and
-# k8s/gateway-mode/client-guard.yaml from extproc/envoy/guard.py; tests/deploy fails while they are stale.
+# k8s/gateway-mode/client-guard.yaml and k8s/gateway-mode/istio/client-guard.yaml from extproc/envoy/guard.py
+# (and parts.py); tests/deploy fails while they are stale.
 .PHONY: manifests deploy-tools deploy-check
 manifests: $(VENV)/.installed
 	$(BIN)/python -m deploy.render_manifests

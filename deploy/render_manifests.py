@@ -13,6 +13,10 @@ Targets and what each renders (a later settings file overrides an earlier one, a
 - k8s-gateway-guard: k8s/gateway-mode/core/pd-extproc.env -> k8s/gateway-mode/client-guard.yaml (ConfigMap
   ``pd-client-guard``: the client guard's Lua source, extproc/envoy/guard.py ``lua_source``, which the
   EnvoyExtensionPolicy's ``lua`` entry reads by ``valueRef``; the settings do not change it)
+- k8s-istio-guard: k8s/gateway-mode/core/pd-extproc.env -> k8s/gateway-mode/istio/client-guard.yaml (Istio 1.28
+  EnvoyFilters: ``pd-client-guard`` puts the same Lua inline before Istio's endpoint-picker filter, and
+  ``pd-extproc-local-replies`` merges the ``--parts`` local-reply mappers, scoped to the name Istio gives the
+  HTTPRoute rule to the InferencePool in k8s/gateway-mode/istio/gateway.yaml; docs/gateway-chains.md)
 
 The Envoy bootstrap always comes from ``extproc.envoy.bootstrap.render_yaml``: nothing here knows a port,
 a timeout or a limit of its own.
@@ -33,7 +37,8 @@ import yaml
 from deploy.envfile import read_env_file
 from extproc.config import Settings, load_settings
 from extproc.envoy.bootstrap import render_yaml
-from extproc.envoy.guard import lua_source
+from extproc.envoy.guard import guard_filter, lua_source
+from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, gateway_local_reply_mappers
 
 REPO = Path(__file__).resolve().parents[1]
 REGENERATE = "make manifests"
@@ -51,6 +56,18 @@ GATEWAY_SETTINGS = REPO / "k8s" / "gateway-mode" / "core" / "pd-extproc.env"
 GATEWAY_GUARD = REPO / "k8s" / "gateway-mode" / "client-guard.yaml"
 GUARD_CONFIGMAP = "pd-client-guard"
 GUARD_KEY = "lua"  # the key Envoy Gateway reads from a Lua valueRef (internal/gatewayapi/envoyextensionpolicy.go:39)
+ISTIO_DIR = REPO / "k8s" / "gateway-mode" / "istio"
+ISTIO_GATEWAY = ISTIO_DIR / "gateway.yaml"
+ISTIO_EXT_PROC = ISTIO_DIR / "envoyfilter.yaml"  # hand-written: pd-extproc's own filter
+ISTIO_GUARD = ISTIO_DIR / "client-guard.yaml"
+ISTIO_GATEWAY_NAME = "pd-gateway"
+# Istio 1.28 (istio/istio @ b8d1df54): the endpoint picker's filter is named envoy.filters.http.ext_proc
+# (pilot/pkg/xds/filters/filters.go:170-171) and is the only filter of that exact name; an EnvoyFilter
+# sub-filter match is by exact name (pilot/pkg/networking/core/envoyfilter/listener_patch.go:758-766).
+ISTIO_PICKER_FILTER = "envoy.filters.http.ext_proc"
+ISTIO_GUARD_FILTER = "envoy.filters.http.lua/pd-client-guard"
+_HCM_FILTER = "envoy.filters.network.http_connection_manager"
+_HCM_TYPE = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 def compose_engine_settings(engine: str) -> Path:
@@ -145,11 +162,101 @@ def render_gateway_guard(settings: Settings, env: Mapping[str, str], target: Tar
     return _dump_all([guard_configmap()], header)
 
 
+def istio_route_name(gateway_yaml: Path = ISTIO_GATEWAY) -> str:
+    """The Envoy route name Istio 1.28 gives the HTTPRoute rule whose backend is an InferencePool: the rule's
+    own ``name`` if it has one, else ``<namespace>.<route>.<rule index>``
+    (pilot/pkg/config/kube/gateway/conversion.go:104-110); the match adds nothing, Istio sets no match name
+    (:129-134; pilot/pkg/networking/core/route/route.go:488-494)."""
+    found = []
+    for doc in yaml.safe_load_all(gateway_yaml.read_text()):
+        if not doc or doc.get("kind") != "HTTPRoute":
+            continue
+        meta = doc["metadata"]
+        for index, rule in enumerate(doc["spec"]["rules"]):
+            if any(ref.get("kind") == "InferencePool" for ref in rule.get("backendRefs", [])):
+                found.append(rule.get("name") or f"{meta['namespace']}.{meta['name']}.{index}")
+    if len(found) != 1:
+        raise ValueError(f"{gateway_yaml}: expected one HTTPRoute rule to an InferencePool, found {found}")
+    return found[0]
+
+
+def istio_status_on_error(envoyfilter_yaml: Path | None = None) -> int:
+    """pd-extproc's status_on_error in the hand-written EnvoyFilter: the mappers generated here recognise our
+    filter's failures by it, so it must be GATEWAY_STATUS_ON_ERROR (checked when rendering)."""
+    envoyfilter_yaml = envoyfilter_yaml or ISTIO_EXT_PROC
+    found = []
+    for doc in yaml.safe_load_all(envoyfilter_yaml.read_text()):
+        for patch in (doc or {}).get("spec", {}).get("configPatches", []):
+            config = patch["patch"].get("value", {}).get("typed_config", {})
+            if "grpc_service" in config:
+                found.append(config.get("status_on_error", {}).get("code"))
+    if len(found) != 1:
+        raise ValueError(f"{envoyfilter_yaml}: expected one ext_proc filter, found {len(found)}")
+    return int(found[0] or 0)
+
+
+def _istio_hcm_match() -> dict[str, Any]:
+    return {"context": "GATEWAY", "listener": {"filterChain": {"filter": {"name": _HCM_FILTER}}}}
+
+
+def istio_envoy_filters() -> list[dict[str, Any]]:
+    """Two EnvoyFilters for Istio's gateway (k8s/gateway-mode/istio; envoyfilter.yaml adds pd-extproc itself).
+
+    The guard goes right before the endpoint picker's filter: after Istio's authn/authz filters, before the
+    picker and pd-extproc, so it reads the client's own body on every request of the Gateway and refuses
+    steering members unconditionally (as Envoy Gateway's shape does). If the Gateway has no InferencePool,
+    Istio renders no picker filter (listener_builder.go:414-419) and the guard is not inserted; the
+    InferencePool route, the only way to the decode pods here, does not exist then either.
+
+    The local-reply mappers (the gateway's, parts.gateway_local_reply_mappers) turn Envoy's own errors on the
+    inference route into our JSON errors: pd-extproc down (envoyfilter.yaml's status_on_error,
+    GATEWAY_STATUS_ON_ERROR) is 503 pd_extproc_unavailable, the picker down is gateway_error with
+    the picker's status. Each is scoped to that route's name, so no other route's errors change.
+    Istio sets no local_reply_config on a gateway's connection manager, and a MERGE appends repeated fields
+    (pkg/proto/merge/merge.go:89-90,114-125), so these are the mappers, ahead of any that another
+    EnvoyFilter adds later."""
+    def meta(name: str, component: str) -> dict[str, Any]:
+        return {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "pd-extproc",
+                                                                 "app.kubernetes.io/component": component}}
+
+    if (status := istio_status_on_error()) != GATEWAY_STATUS_ON_ERROR:
+        raise ValueError(f"{ISTIO_EXT_PROC}: pd-extproc's status_on_error is {status}, the local-reply mappers "
+                         f"expect {GATEWAY_STATUS_ON_ERROR} (extproc/envoy/parts.py GATEWAY_STATUS_ON_ERROR)")
+    selector = {"labels": {"gateway.networking.k8s.io/gateway-name": ISTIO_GATEWAY_NAME}}
+    guard = guard_filter()
+    guard_match = _istio_hcm_match()
+    guard_match["listener"]["filterChain"]["filter"]["subFilter"] = {"name": ISTIO_PICKER_FILTER}
+    return [
+        {"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+         "metadata": meta("pd-client-guard", "client-guard"),
+         "spec": {"workloadSelector": selector, "configPatches": [{
+             "applyTo": "HTTP_FILTER", "match": guard_match,
+             "patch": {"operation": "INSERT_BEFORE",
+                       "value": {"name": ISTIO_GUARD_FILTER, "typed_config": guard["typed_config"]}}}]}},
+        {"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
+         "metadata": meta("pd-extproc-local-replies", "local-replies"),
+         "spec": {"workloadSelector": selector, "configPatches": [{
+             "applyTo": "NETWORK_FILTER", "match": _istio_hcm_match(),
+             "patch": {"operation": "MERGE", "value": {"typed_config": {
+                 "@type": _HCM_TYPE,
+                 "local_reply_config": {"mappers": gateway_local_reply_mappers(istio_route_name())}}}}}]}},
+    ]
+
+
+def render_istio_guard(settings: Settings, env: Mapping[str, str], target: Target) -> str:
+    header = (f"# Generated by `{REGENERATE}` from extproc/envoy/guard.py, guard.lua, extproc/envoy/parts.py and the "
+              "HTTPRoute in istio/gateway.yaml:\n# edit those, not this file. The client guard and pd-extproc's JSON "
+              "errors on Istio 1.28 (docs/gateway-chains.md).\n# The mappers read pd-extproc's failures by its "
+              f"status_on_error, {GATEWAY_STATUS_ON_ERROR} in envoyfilter.yaml: keep them in step.\n")
+    return _dump_all(istio_envoy_filters(), header)
+
+
 TARGETS: tuple[Target, ...] = (
     *(Target(f"compose-{engine}", (COMPOSE_SETTINGS, compose_engine_settings(engine)), compose_envoy(engine),
              render_compose) for engine in COMPOSE_ENGINES),
     Target("k8s", (K8S_SETTINGS,), K8S_CONFIG, render_k8s),
     Target("k8s-gateway-guard", (GATEWAY_SETTINGS,), GATEWAY_GUARD, render_gateway_guard),
+    Target("k8s-istio-guard", (GATEWAY_SETTINGS,), ISTIO_GUARD, render_istio_guard),
 )
 
 

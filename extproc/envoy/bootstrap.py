@@ -64,12 +64,14 @@ TIMING_BUCKETS_MS = (5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3
 
 # Envoy's own local replies -> our error codes. Order matters: the first match wins. Each filter
 # excludes our ImmediateResponses (details "pd_*"), which already carry their JSON body.
-_LOCAL_REPLY_RULES: tuple[tuple[str, Code, bool], ...] = (
-    # (CEL condition, code, keep Envoy's status)
+LocalReplyRule = tuple[str, Code, bool]  # (CEL condition, code, keep Envoy's status)
+EXT_PROC_FAILED = "response.code_details.startsWith('ext_proc')"  # Envoy's details for an ext_proc filter's error
+
+_LOCAL_REPLY_RULES: tuple[LocalReplyRule, ...] = (
     ("response.code == 413", Code.REQUEST_TOO_LARGE, False),
     ("response.code == 408", Code.REQUEST_TIMEOUT, False),
     ("response.code_details.startsWith('ext_proc_error_per-message_timeout')", Code.PD_EXTPROC_TIMEOUT, False),
-    ("response.code_details.startsWith('ext_proc')", Code.PD_EXTPROC_UNAVAILABLE, False),
+    (EXT_PROC_FAILED, Code.PD_EXTPROC_UNAVAILABLE, False),
     ("response.code == 504", Code.DECODE_UPSTREAM_TIMEOUT, False),
     ("response.code == 503", Code.DECODE_UPSTREAM_UNAVAILABLE, False),
     ("true", Code.GATEWAY_ERROR, True),
@@ -118,9 +120,9 @@ def _cel_filter(expression: str) -> dict[str, Any]:
                                  "typed_config": {_TYPE: _CEL_FILTER, "expression": expression}}}
 
 
-def _local_reply_config() -> dict[str, Any]:
+def _local_reply_config(rules: tuple[LocalReplyRule, ...] = _LOCAL_REPLY_RULES) -> dict[str, Any]:
     mappers = []
-    for condition, code, keep_status in _LOCAL_REPLY_RULES:
+    for condition, code, keep_status in rules:
         spec = SPEC[code]
         mapper: dict[str, Any] = {
             "filter": _cel_filter(f"!response.code_details.startsWith('pd_')"

@@ -25,17 +25,21 @@ from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import (
     _EXT_PROC_PER_ROUTE,
     _FILTER_CONFIG,
+    _LOCAL_REPLY_RULES,
     _TYPE,
     DECODE_CLUSTER,
     EXT_PROC_CLUSTER,
+    EXT_PROC_FAILED,
     EXT_PROC_FILTER,
     FALLBACK_HEADER,
+    LocalReplyRule,
     _local_reply_config,
     render,
 )
 from extproc.envoy.gateway import PASSTHROUGH_MODE
 from extproc.envoy.guard import guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
+from extproc.errors import Code
 
 SIDECAR_ROUTE = "pd"  # the bootstrap's P/D route; the parts keep its name (the timing loggers' CEL uses it)
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
@@ -59,14 +63,48 @@ def _named(bootstrap: dict[str, Any], name: str, having: str) -> dict[str, Any]:
     raise LookupError(f"the rendered bootstrap has no {having} named {name}")
 
 
-def local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
-    """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
-    replies left alone), each also conditioned on ``route_name``: nothing on any other route."""
-    mappers: list[dict[str, Any]] = copy.deepcopy(_local_reply_config()["mappers"])
+# Our filter's status_on_error in gateway mode. The gateway runs two ext_proc filters (the endpoint picker's
+# first), and Envoy's details for either one's failure start with ext_proc_error, so only the status tells
+# ours apart: 510 is answered locally by nothing else on the inference route (Envoy's own replies there are
+# 4xx, 500, 502, 503, 504; the picker's status_on_error is Envoy's default 500 and its own immediate replies
+# 400-503; our server's errors carry pd_* details), and the mappers turn it back into our JSON 503.
+# k8s/gateway-mode's Envoy Gateway (statusOnError + responseOverride) and Istio shapes use the same value.
+GATEWAY_STATUS_ON_ERROR = 510
+
+
+def gateway_local_reply_rules() -> tuple[LocalReplyRule, ...]:
+    """The sidecar's rules, except that an ext_proc failure is ours (pd_extproc_unavailable) only at our
+    filter's GATEWAY_STATUS_ON_ERROR; any other ext_proc failure (the picker's) is gateway_error with its
+    own status. Envoy's fixed 504 for a message timeout carries no filter mark: pd_extproc_timeout stays
+    for both filters (docs/gateway.md)."""
+    rules: list[LocalReplyRule] = []
+    for condition, code, keep_status in _LOCAL_REPLY_RULES:
+        if code is Code.PD_EXTPROC_UNAVAILABLE:
+            # Every fail-closed error of our filter answers status_on_error (Envoy's ext_proc.cc: onGrpcError,
+            # onError, handleErrorResponse); the last one's details lack the ext_proc prefix.
+            rules.append((f"response.code == {GATEWAY_STATUS_ON_ERROR}", code, False))
+            rules.append((EXT_PROC_FAILED, Code.GATEWAY_ERROR, True))
+        else:
+            rules.append((condition, code, keep_status))
+    return tuple(rules)
+
+
+def _scoped(mappers: list[dict[str, Any]], route_name: str) -> list[dict[str, Any]]:
     for mapper in mappers:
         config = mapper["filter"]["extension_filter"]["typed_config"]
         config["expression"] = f"xds.route_name == '{route_name}' && ({config['expression']})"
     return mappers
+
+
+def local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
+    """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
+    replies left alone), each also conditioned on ``route_name``: nothing on any other route."""
+    return _scoped(copy.deepcopy(_local_reply_config()["mappers"]), route_name)
+
+
+def gateway_local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
+    """The gateway's mappers (gateway_local_reply_rules), each conditioned on ``route_name``."""
+    return _scoped(_local_reply_config(gateway_local_reply_rules())["mappers"], route_name)
 
 
 def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> dict[str, Any]:
@@ -92,6 +130,7 @@ def gateway_ext_proc(settings: Settings) -> dict[str, Any]:
     """Our ext_proc filter's config for the gateway: the sidecar's, plus the one mode override the server
     sends for a request that is not P/D (extproc/envoy/gateway.py)."""
     config = _named(render(settings), EXT_PROC_FILTER, "typed_config")["typed_config"]
+    config["status_on_error"] = {"code": GATEWAY_STATUS_ON_ERROR}  # the picker's failures are not ours
     config["allow_mode_override"] = True
     config["allowed_override_modes"] = [json_format.MessageToDict(PASSTHROUGH_MODE, preserving_proto_field_name=True)]
     return dict(config)
@@ -168,7 +207,7 @@ def gateway_parts(settings: Settings, route_name: str) -> dict[str, Any]:
         "http_filters": [gateway_guard_filter(), gateway_filter(settings)],
         "route_additions": gateway_route_additions(settings),
         "clusters": [_named(bootstrap, EXT_PROC_CLUSTER, "load_assignment")],
-        "local_reply_mappers": local_reply_mappers(route_name),
+        "local_reply_mappers": gateway_local_reply_mappers(route_name),
         "early_header_mutation_extensions": [early_header_mutation()],
     }
 
@@ -189,8 +228,9 @@ _GATEWAY_NOTE = """\
 #   clusters:            the ext_proc gRPC service (point it at the pd-extproc Service)
 #   local_reply_mappers: first in the connection manager's local_reply_config.mappers (scoped to that route)
 #   early_header_mutation_extensions: in the connection manager: only the picker may set these headers
-# Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error, failure_mode_allow,
-# message_timeout, processing_mode or allowed_override_modes (README, docs/gateway.md).
+# Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error (510: the mappers tell our filter's
+# failures from the picker's by it), failure_mode_allow, message_timeout, processing_mode or
+# allowed_override_modes (README, docs/gateway.md).
 """
 
 

@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from deploy import crd_schema, validate
+from deploy import render_manifests as rm
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
 from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
 from extproc.envoy.guard import lua_source, stripped_headers
-from extproc.envoy.parts import early_header_mutation
+from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, early_header_mutation, gateway_local_reply_mappers
 from extproc.errors import SPEC, Code, error_body
 from extproc.settings_spec import positive_size
 from extproc.units import parse_address, parse_duration
@@ -34,8 +35,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 ENVOY_DEFAULT_MESSAGE_TIMEOUT = 0.2
 ISTIO_ROUTER = "envoy.filters.http.router"
 ISTIO_PICKER_FILTER = "envoy.filters.http.ext_proc"  # pilot/pkg/xds/filters/filters.go @ 1.28.0
-# Envoy Gateway: pd-extproc's statusOnError, which the route's responseOverride turns into our JSON 503.
-UNREACHABLE_MARK = 510
+# pd-extproc's statusOnError, which the route's responseOverride (Envoy Gateway) or the local-reply mappers
+# (Istio, --parts) turn into our JSON 503: one value for every gateway shape.
+UNREACHABLE_MARK = GATEWAY_STATUS_ON_ERROR
 
 
 class Rendered:
@@ -493,8 +495,8 @@ def test_istios_ext_proc_settings_match_envoy_gateways() -> None:
     config = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
     ours = _extprocs()[1]
     assert config["failure_mode_allow"] is False and ours["failOpen"] is False
-    # Istio has no responseOverride: its status is the one Envoy Gateway's override answers.
-    assert config["status_on_error"] == {"code": SPEC[Code.PD_EXTPROC_UNAVAILABLE].status}
+    # The same mark in both: Istio's mappers, like Envoy Gateway's responseOverride, turn it into our JSON 503.
+    assert config["status_on_error"] == {"code": UNREACHABLE_MARK}
     assert ours["statusOnError"] == UNREACHABLE_MARK
     assert parse_duration(config["message_timeout"]) == parse_duration(ours["messageTimeout"])
     assert config["allow_mode_override"] is ours["processingMode"]["allowModeOverride"]
@@ -783,3 +785,227 @@ def test_envoy_rejects_the_shape_with_a_planted_error() -> None:
     planted = Rendered([validate.Document(d.path, d.index, broken if d.body["kind"] == "EnvoyExtensionPolicy"
                                           else d.body) for d in objects.docs])
     assert validate.envoy_problems(yaml.safe_dump(envoy_gateway_shape(planted), sort_keys=False)) != []
+
+
+# ------------------------------------------- what Istio 1.28 renders + these EnvoyFilters, on Envoy 1.40
+
+# istio/istio @ b8d1df54465060428c2a2a38286e360beb85fb31 (1.28.0); docs/gateway-chains.md has the lines.
+ISTIO_GRPC_STATS = "envoy.filters.http.grpc_stats"  # pkg/wellknown/wellknown.go:55
+ISTIO_FAULT, ISTIO_CORS = "envoy.filters.http.fault", "envoy.filters.http.cors"
+ISTIO_LB_NAMESPACE, ISTIO_ENDPOINT_HINT = "envoy.lb", DESTINATION_HEADER  # pkg/config/constants/constants.go:216,218
+
+
+def istio_outbound_cluster(name: str, namespace: str, port: int) -> str:
+    """model.BuildSubsetKey(TrafficDirectionOutbound, "", host, port) (pilot/pkg/model/service.go:1595-1596)."""
+    return f"outbound|{port}||{name}.{namespace}.svc.cluster.local"
+
+
+def istio_envoy_filters(objects: Rendered) -> list[dict[str, Any]]:
+    return [d.body for d in objects.docs if d.body["kind"] == "EnvoyFilter"]
+
+
+def istio_base_gateway(objects: Rendered) -> dict[str, Any]:
+    """Istio's gateway listener for pd-gateway before any EnvoyFilter, by hand after its source: the HTTP
+    filters of a Gateway with an InferencePool (listener_builder.go:395-456: authn/authz/Wasm filters, none
+    here; the picker's inert ext_proc, xds/filters/filters.go:170-196; grpc_stats :119-129; fault, cors
+    :101-112; Telemetry's istio.stats, not in upstream Envoy, left out; the router), the route of the
+    HTTPRoute rule (route/route.go:488-547: its name, the picker enabled by ExtProcPerRoute overrides; the
+    rule's header removal), and the pool's cluster with override_host on the picker's envoy.lb metadata
+    (networking/core/cluster.go:363-365, cluster_builder.go:208-267). Endpoints are placeholders."""
+    route = objects.get("HTTPRoute", "pd-route")
+    ns = route["metadata"]["namespace"]
+    (rule,) = route["spec"]["rules"]
+    pool = objects.get("InferencePool", "pd-pool")["spec"]
+    picker = pool["endpointPickerRef"]
+    picker_cluster = istio_outbound_cluster(picker["name"], ns, picker["port"]["number"])
+    # The pool's shadow Service (Istio names it <pool>-ip-<hash>; the hash is not computed here).
+    pool_cluster = istio_outbound_cluster("pd-pool-ip-shadow", ns, pool["targetPorts"][0]["number"])
+    duplex = "FULL_DUPLEX_STREAMED"
+    picker_route = {"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                    "overrides": {"failure_mode_allow": picker["failureMode"] == "FailOpen",
+                                  "grpc_service": {"envoy_grpc": {"cluster_name": picker_cluster}},
+                                  "processing_mode": {"request_header_mode": "SEND", "request_body_mode": duplex,
+                                                      "request_trailer_mode": "SEND", "response_header_mode": "SEND",
+                                                      "response_body_mode": duplex, "response_trailer_mode": "SEND"}}}
+    lb = {"untyped": [ISTIO_LB_NAMESPACE]}
+    filters = [
+        {"name": ISTIO_PICKER_FILTER, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "dummy"}, "timeout": "10s"},
+            "failure_mode_allow": True, "message_timeout": "1000s",
+            "processing_mode": {"request_header_mode": "SKIP", "response_header_mode": "SKIP"},
+            "metadata_options": {"receiving_namespaces": lb, "forwarding_namespaces": lb}}},
+        {"name": ISTIO_GRPC_STATS, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+            "emit_filter_state": True, "stats_for_all_methods": False}},
+        {"name": ISTIO_FAULT, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault"}},
+        {"name": ISTIO_CORS, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"}},
+        {"name": ISTIO_ROUTER, "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+    ]
+    hcm = {"@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                    "HttpConnectionManager",
+           "stat_prefix": "outbound_0.0.0.0_80",
+           "route_config": {"name": "http.80", "virtual_hosts": [{"name": "*:80", "domains": ["*"], "routes": [{
+               "name": rm.istio_route_name(),
+               "match": {"prefix": rule["matches"][0]["path"]["value"]},
+               "route": {"cluster": pool_cluster, "timeout": "0s"},
+               "request_headers_to_remove": rule["filters"][0]["requestHeaderModifier"]["remove"],
+               "typed_per_filter_config": {ISTIO_PICKER_FILTER: picker_route}}]}]},
+           "http_filters": filters}
+    decode = _static_cluster(pool_cluster, pool["targetPorts"][0]["number"], http2=False)
+    decode["lb_policy"] = "CLUSTER_PROVIDED"
+    decode["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            "override_host_sources": [{"metadata": {"key": ISTIO_LB_NAMESPACE,
+                                                    "path": [{"key": ISTIO_ENDPOINT_HINT}]}}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3."
+                             "RoundRobin"}}}]}}}}]}
+    listener = {"name": "0.0.0.0_80", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}]}
+    pd_extproc = objects.get("Service", "pd-extproc")
+    grpc_port = next(p for p in pd_extproc["spec"]["ports"] if p["name"] == "grpc")["port"]
+    clusters = [_static_cluster(picker_cluster, picker["port"]["number"], http2=True),
+                _static_cluster(istio_outbound_cluster("pd-extproc", ns, grpc_port), grpc_port, http2=True),
+                decode]
+    return {"static_resources": {"listeners": [listener], "clusters": clusters}}
+
+
+def _proto_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """A proto merge on the JSON form: messages merged field by field, repeated fields appended, scalars
+    replaced (istio pkg/proto/merge/merge.go:60-125)."""
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _proto_merge(dst[key], value)
+        elif isinstance(value, list) and isinstance(dst.get(key), list):
+            dst[key] = dst[key] + copy.deepcopy(value)
+        else:
+            dst[key] = copy.deepcopy(value)
+
+
+def apply_istio_patches(bootstrap: dict[str, Any], envoy_filters: list[dict[str, Any]]) -> dict[str, Any]:
+    """The EnvoyFilters' GATEWAY patches as Istio applies them to a finished listener (envoyfilter/
+    listener_patch.go @ 1.28.0): LISTENER MERGE first, then per network filter its NETWORK_FILTER MERGE
+    (:393-431), then the HTTP_FILTER patches in order (:450-516), INSERT_BEFORE at the first filter of exactly
+    that name (:479-493, :758-766, util.go:33-52) and nothing when none matches. Only what these patches use."""
+    out = copy.deepcopy(bootstrap)
+    (listener,) = out["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (hcm_filter,) = chain["filters"]
+    patches = [p for f in envoy_filters for p in f["spec"]["configPatches"]]
+    for patch in patches:
+        assert patch["match"]["context"] == "GATEWAY"
+        assert patch["patch"]["operation"] in ("MERGE", "INSERT_BEFORE"), patch["patch"]["operation"]
+    for patch in (p for p in patches if p["applyTo"] == "LISTENER"):
+        _proto_merge(listener, patch["patch"]["value"])
+    for patch in (p for p in patches if p["applyTo"] == "NETWORK_FILTER"):
+        assert patch["match"]["listener"]["filterChain"]["filter"]["name"] == hcm_filter["name"]
+        _proto_merge(hcm_filter, patch["patch"]["value"])
+    http_filters = hcm_filter["typed_config"]["http_filters"]
+    for patch in (p for p in patches if p["applyTo"] == "HTTP_FILTER"):
+        anchor = patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+        index = next((i for i, f in enumerate(http_filters) if f["name"] == anchor), None)
+        if index is not None:
+            http_filters.insert(index, copy.deepcopy(patch["patch"]["value"]))
+    return out
+
+
+def istio_gateway_shape(objects: Rendered, reverse: bool = False) -> dict[str, Any]:
+    """pd-gateway's listener after k8s/gateway-mode/istio's EnvoyFilters (same priority: Istio orders them by
+    creation time, push_context.go:2303-2319, unknown here; ``reverse`` applies them the other way round)."""
+    filters = istio_envoy_filters(objects)
+    return apply_istio_patches(istio_base_gateway(objects), filters[::-1] if reverse else filters)
+
+
+def _istio_http_filters(bootstrap: dict[str, Any]) -> list[str]:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return [f["name"] for f in hcm["http_filters"]]
+
+
+def test_istio_runs_the_guard_before_the_picker_and_pd_extproc_after_it() -> None:
+    objects = rendered(ISTIO)
+    ours = _istio_patch("HTTP_FILTER")["patch"]["value"]["name"]
+    expected = [rm.ISTIO_GUARD_FILTER, ISTIO_PICKER_FILTER, ISTIO_GRPC_STATS, ISTIO_FAULT, ISTIO_CORS, ours,
+                ISTIO_ROUTER]
+    for reverse in (False, True):
+        assert _istio_http_filters(istio_gateway_shape(objects, reverse)) == expected
+
+
+def test_istios_guard_is_the_generated_lua_and_each_envoy_filter_selects_the_gateway() -> None:
+    objects = rendered(ISTIO)
+    guard = objects.get("EnvoyFilter", "pd-client-guard")["spec"]
+    (patch,) = guard["configPatches"]
+    assert patch["applyTo"] == "HTTP_FILTER" and patch["patch"]["operation"] == "INSERT_BEFORE"
+    assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"] == {"name": ISTIO_PICKER_FILTER}
+    value = patch["patch"]["value"]
+    assert value["typed_config"]["default_source_code"]["inline_string"] == lua_source()
+    # Its own name: neither the picker's (Istio's route override is keyed by it) nor a plain Lua filter's.
+    assert value["name"] not in (ISTIO_PICKER_FILTER, LUA_FILTER) and "disabled" not in value
+    selector = objects.get("EnvoyFilter", "pd-extproc")["spec"]["workloadSelector"]
+    for envoy_filter in istio_envoy_filters(objects):
+        assert envoy_filter["spec"]["workloadSelector"] == selector
+        assert envoy_filter["metadata"]["namespace"] == objects.get("Gateway", "pd-gateway")["metadata"]["namespace"]
+
+
+def test_istios_local_replies_are_the_parts_mappers_scoped_to_the_inference_route() -> None:
+    """Istio names the rule's route <namespace>.<route>.<index> when the rule has no name (conversion.go:104-110);
+    the mappers match only there, so the Gateway's other routes keep Envoy's own errors."""
+    objects = rendered(ISTIO)
+    route = objects.get("HTTPRoute", "pd-route")
+    (rule,) = route["spec"]["rules"]
+    assert "name" not in rule and rule["backendRefs"][0]["kind"] == "InferencePool"
+    name = f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
+    assert rm.istio_route_name() == name == "llm.pd-route.0"
+    (patch,) = objects.get("EnvoyFilter", "pd-extproc-local-replies")["spec"]["configPatches"]
+    assert patch["applyTo"] == "NETWORK_FILTER" and patch["patch"]["operation"] == "MERGE"
+    mappers = patch["patch"]["value"]["typed_config"]["local_reply_config"]["mappers"]
+    assert mappers == gateway_local_reply_mappers(name)
+    for mapper in mappers:
+        expression = mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+        assert expression.startswith(f"xds.route_name == '{name}' && (")
+    # pd-extproc's own status_on_error is the mark the unavailable mapper reads (the picker's failures are not).
+    ours = _istio_patch("HTTP_FILTER")["patch"]["value"]["typed_config"]
+    assert ours["status_on_error"]["code"] == UNREACHABLE_MARK
+    (unavailable,) = [m for m in mappers if m["body_format_override"]["json_format"]["error"]["code"]
+                      == Code.PD_EXTPROC_UNAVAILABLE.value]
+    assert f"response.code == {UNREACHABLE_MARK})" in unavailable["filter"]["extension_filter"]["typed_config"][
+        "expression"] and unavailable["status_code"] == SPEC[Code.PD_EXTPROC_UNAVAILABLE].status
+
+
+def test_the_generator_refuses_an_envoy_filter_whose_status_the_mappers_do_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """envoyfilter.yaml is hand-written and client-guard.yaml's mappers depend on its status_on_error: `make
+    manifests` fails naming the file rather than render mappers that would label pd-extproc down a
+    gateway_error."""
+    planted = tmp_path / "envoyfilter.yaml"
+    planted.write_text(rm.ISTIO_EXT_PROC.read_text().replace(f"status_on_error: {{code: {UNREACHABLE_MARK}}}",
+                                                             "status_on_error: {code: 503}"))
+    assert rm.istio_status_on_error(planted) == 503 and rm.istio_status_on_error() == UNREACHABLE_MARK
+    monkeypatch.setattr(rm, "ISTIO_EXT_PROC", planted)
+    with pytest.raises(ValueError, match=f"status_on_error is 503.*expect {UNREACHABLE_MARK}"):
+        rm.istio_envoy_filters()
+
+
+def test_what_istio_renders_with_these_envoy_filters_is_a_valid_envoy_config() -> None:
+    bootstrap = istio_gateway_shape(rendered(ISTIO))
+    assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) == []
+
+
+@pytest.mark.parametrize("plant", ["lua syntax", "cel syntax"])
+def test_envoy_rejects_a_planted_error_in_the_generated_envoy_filters(plant: str) -> None:
+    filters = copy.deepcopy(istio_envoy_filters(rendered(ISTIO)))
+    by_name = {f["metadata"]["name"]: f for f in filters}
+    if plant == "lua syntax":
+        value = by_name["pd-client-guard"]["spec"]["configPatches"][0]["patch"]["value"]
+        value["typed_config"]["default_source_code"]["inline_string"] += "\nlocal = ("
+    else:
+        hcm = by_name["pd-extproc-local-replies"]["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]
+        hcm["local_reply_config"]["mappers"][0]["filter"]["extension_filter"]["typed_config"]["expression"] += " &&"
+    bootstrap = apply_istio_patches(istio_base_gateway(rendered(ISTIO)), filters)
+    assert validate.envoy_problems(yaml.safe_dump(bootstrap, sort_keys=False)) != []

@@ -4,8 +4,9 @@ InferencePool, with pd-extproc's ext_proc filter right after the endpoint picker
 Followed (envoyproxy/ai-gateway @ c217da8a, 2026-08-21; envoyproxy/gateway golden outputs):
 - the picker's filter: ai-gateway internal/extensionserver/inferencepool.go:288-316
   ``buildHTTPFilterForInferencePool`` (request/response headers and trailers SEND, both bodies
-  FULL_DUPLEX_STREAMED, message_timeout 300s, failure_mode_allow false, no metadata_options: the
-  picker's ``envoy.lb`` metadata is dropped and the cluster reads the header); its name
+  FULL_DUPLEX_STREAMED, message_timeout 300s, failure_mode_allow false, no status_on_error (Envoy's
+  default, 500), no metadata_options: the picker's ``envoy.lb`` metadata is dropped and the cluster reads
+  the header); its name
   ``envoy.filters.http.ext_proc/endpointpicker/<pool>_<ns>_ext_proc`` (inferencepool.go:421-423); its
   cluster is HTTP/2 (inferencepool.go:204-272; TLS there, plaintext here: the fake picker has no
   certificate);
@@ -40,8 +41,8 @@ from extproc.envoy.parts import (
     early_header_mutation,
     gateway_filter,
     gateway_guard_filter,
+    gateway_local_reply_mappers,
     gateway_route_additions,
-    local_reply_mappers,
 )
 from extproc.envoy.parts import gateway_parts as parts_of
 
@@ -134,7 +135,7 @@ def gateway_bootstrap(settings: Settings, picker: str, replicas: list[str]) -> d
             _TYPE: _STDOUT_LOG, "log_format": {"json_format": {
                 "request_id": "%REQ(X-REQUEST-ID)%", "route": "%ROUTE_NAME%", "code": "%RESPONSE_CODE%",
                 "details": "%RESPONSE_CODE_DETAILS%", "upstream": "%UPSTREAM_HOST%"}}}}],
-        "local_reply_config": {"mappers": local_reply_mappers(ROUTE)},
+        "local_reply_config": {"mappers": gateway_local_reply_mappers(ROUTE)},
         "route_config": {"name": "envoy-gateway/gateway-1/http", "virtual_hosts": [{
             "name": "envoy-gateway/gateway-1/http/*", "domains": ["*"],
             "routes": [_other_route(), _inference_route(settings)]}]},

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.gateway.stack import DECODES, GatewayStack
+from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.helpers import (
     CHAT,
     COMPLETIONS,
@@ -278,3 +278,22 @@ def test_pd_extproc_down_is_a_json_503_never_a_silent_decode(gw: GatewayStack) -
             gw.restart(replica)
     gw.pick("decode-a")
     assert eventually(lambda: post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200, within=20)
+
+
+def test_the_picker_down_is_a_gateway_error_with_its_status_never_pd_extproc_unavailable() -> None:
+    """Two ext_procs on the route, and Envoy's details for either one's failure start with ext_proc_error:
+    only ours answers status_on_error 510 (parts.GATEWAY_STATUS_ON_ERROR), so the picker's failure (Envoy's
+    default 500, as Envoy AI Gateway renders its filter) is gateway_error with that status, not our
+    pd_extproc_unavailable. Fail closed: no engine reached, our filter never called. A stack of its own:
+    the picker is not restarted."""
+    with gateway_stack(replicas=1) as stack:
+        stack.picker.stop()
+        response = post(stack, CHAT, chat_body(max_tokens=2))
+        assert assert_error(response, 500, "gateway_error")["type"] == "server_error"
+        assert "pd_extproc" not in response.text
+        assert stack.pd_streams() == 0
+        assert_nothing_reached_an_engine(stack)
+        # The same Envoy with the picker down and our server down: still the picker's failure (it runs first).
+        stack.replicas[0].child.stop(sig=signal.SIGKILL)
+        assert_error(post(stack, CHAT, chat_body(max_tokens=2)), 500, "gateway_error")
+        assert_nothing_reached_an_engine(stack)

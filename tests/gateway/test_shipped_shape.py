@@ -228,3 +228,16 @@ def test_pd_extprocs_own_json_503_is_not_rewritten(shipped: GatewayStack) -> Non
     shipped.prefill.script({"status": 503})
     assert_error(post(shipped, CHAT, chat_body(max_tokens=2)), 503, "prefill_upstream_error")
     assert served(shipped) == dict.fromkeys(DECODES, 0)
+
+
+def test_the_picker_down_is_envoys_500_never_pd_extproc_unavailable() -> None:
+    """The picker's extProc[0] has no statusOnError (Envoy's default 500); the responseOverride matches only
+    pd-extproc's 510, so the client gets Envoy's own 500, never our pd_extproc_unavailable. Fail closed: no
+    engine reached. A stack of its own: the picker is not restarted."""
+    with gateway_stack(shape=shipped_shape, replicas=1) as stack:
+        stack.picker.stop()
+        response = post(stack, CHAT, chat_body(max_tokens=2))
+        assert response.status_code == 500
+        assert "pd_extproc" not in response.text
+        assert stack.pd_streams() == 0
+        assert_nothing_reached_an_engine(stack)
