@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from bench import soak_markdown
 from bench.report import KIB, MIB
 
 NOISY = 0.10
@@ -442,10 +445,23 @@ def stage_budget(results: dict[str, Any]) -> list[str]:
             *_table(["stage", "CPU µs/request", "share", "wall µs/request", "calls/request"], table(result)), ""]
 
 
+# The soak run RESULTS quotes (issue 27): the hour-long one, kept in git; bench/SOAK.md has every run.
+SOAK_REPORT = Path(__file__).resolve().parent / "soak-reports" / "vllm-60min.json"
+
+
+def soak(report: Path = SOAK_REPORT) -> list[str]:
+    """The hour-long soak's figures, from its kept report (not measured by this benchmark run)."""
+    title = "## An hour under load and faults (the soak, `make soak`; not part of this run)"
+    if not report.exists():
+        return [title, "", f"No soak report at `{report.name}`: run `make soak` (bench/SOAK.md).", ""]
+    return [title, "", "From its kept report (`bench/soak-reports/" + report.name + "`); what each fault does and "
+            "what is asserted: [SOAK.md](SOAK.md).", "", soak_markdown.render(json.loads(report.read_text()))]
+
+
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
     lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
-             *stage_budget(results)]
+             *stage_budget(results), *soak()]
     return "\n".join(lines) + "\n"
