@@ -167,6 +167,28 @@ def unique_members(raw: bytes) -> list[Member] | None:
     return found if len({m.name for m in found}) == len(found) else None
 
 
+def count_and_value(raw: bytes, name: str) -> tuple[int, bytes | None]:
+    """How many top-level members ``raw`` has, and the raw value of the member ``name`` (None if absent),
+    as ``members`` and ``member_value`` would give them, without building the members: with the parsed
+    object, ``len(parsed) != count`` is a repeated key (the parser keeps one of them)."""
+    if len(raw) <= _FAST_MAX:
+        pos = _skip_ws(raw, 0)
+        if raw[pos:pos + 1] == b"{":
+            pos = _skip_ws(raw, pos + 1)
+            if raw[pos:pos + 1] == b"}":
+                return 0, None
+            wanted, count, value, fast = name.encode(), 0, None, _MEMBER.match
+            while (whole := fast(raw, pos)) is not None:
+                count += 1
+                if value is None and whole.group(1) == wanted:  # a plain key: its bytes are its name
+                    value = raw[whole.start(2):whole.end(2)]
+                if whole.group(3) is None:
+                    return count, value
+                pos = whole.end()
+    found = members(raw)  # a member the pattern does not take: the whole document the slow way
+    return len(found), member_value(raw, found, name)
+
+
 def member_value(raw: bytes, spans: Iterable[Member], name: str) -> bytes | None:
     """The raw bytes of a top-level member's value, or None if the member is absent."""
     for member in spans:
