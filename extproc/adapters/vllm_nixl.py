@@ -26,7 +26,7 @@ from extproc.adapters.base import (
     QueueGauges,
     SequentialAdapter,
 )
-from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.adapters.prefill_json import parse_prefill_member
 from extproc.core import jsonspan
 from extproc.core.fields import (
     FieldRule,
@@ -134,10 +134,9 @@ def decode_body(request: ClientRequest, handoff_raw: bytes) -> bytes:
 
 def handoff_from_reply(reply: WorkerReply, protocol: str) -> bytes:
     """Validate the prefill reply and return the raw bytes of its kv_transfer_params value."""
-    parsed, spans = parse_prefill_object(reply)
+    parsed, raw = parse_prefill_member(reply, KEY)
     params: Any = parsed.get(KEY)
     validate_handoff(params, protocol)
-    raw = jsonspan.member_value(reply.body, spans, KEY)
     assert raw is not None
     return raw
 

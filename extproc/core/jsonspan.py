@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import orjson
 
@@ -31,9 +31,30 @@ _CLOSING = {ord("{"): ord("}"), ord("["): ord("]")}
 _PLAIN_KEY = re.compile(rb'"([^"\\]*+)"[ \t\r\n]*+:[ \t\r\n]*+')  # a key without escapes
 _SEPARATOR = re.compile(rb"[ \t\r\n]*+(?:(,)[ \t\r\n]*+|})")  # after a value: the next member, or the end
 
+# The fast path for documents up to _FAST_MAX bytes: one match per member (a plain key, its value, the
+# separator after it), in C. A string is taken up to its first quote, which must not follow a backslash
+# (so an escaped quote, or a string ending in a backslash, is not matched here: the scanner reads it). A
+# nested value is matched whole when it is at most _NESTING deep: strings inside it are skipped as above
+# (brackets in them do not count), anything else between brackets is taken as it is; the document is
+# valid JSON, so the bracket that closes at the same depth is the matching one. Whatever the pattern does
+# not take (a key with an escape, such a string, a deeper value) fails the match and the scanner below
+# reads that member: both find the same spans (tests/unit/test_jsonspan.py compares them). Larger
+# documents go to the scanner only: its memchr over long strings is faster than the regex engine there.
+_FAST_MAX = 16 << 10
+_NESTING = 8
+_STRING = rb'"[^"]*+(?<!\\)"'
 
-@dataclass(frozen=True, slots=True)
-class Member:
+
+def _nested(depth: int) -> bytes:
+    inner = rb"|" + _nested(depth - 1) if depth > 1 else b""
+    return rb'[\[{](?:' + _STRING + rb'|[^"\[\]{}]++' + inner + rb')*+[\]}]'
+
+
+_MEMBER = re.compile(rb'"([^"\\]*+)"[ \t\r\n]*+:[ \t\r\n]*+(' + _STRING + rb'|[^,}\] \t\r\n"\[{]++|'
+                     + _nested(_NESTING) + rb')[ \t\r\n]*+(?:(,)[ \t\r\n]*+|})')
+
+
+class Member(NamedTuple):  # a tuple: three times cheaper to make than a frozen dataclass
     name: str  # the decoded key: escapes in a key cannot hide it from an edit
     start: int  # offset of the key's opening quote
     value_start: int
@@ -110,7 +131,16 @@ def members(raw: bytes) -> list[Member]:
     if raw[pos:pos + 1] == b"}":
         return found
     budget = _MEASURE_BUDGET
+    fast = _MEMBER.match if len(raw) <= _FAST_MAX else None
     while True:
+        whole = fast(raw, pos) if fast is not None else None
+        if whole is not None:
+            value_start, end = whole.span(2)
+            found.append(Member(whole.group(1).decode(), pos, value_start, end))
+            if whole.group(3) is None:
+                return found
+            pos = whole.end()
+            continue
         plain = _PLAIN_KEY.match(raw, pos)
         if plain is not None:  # one match for the key, the colon and the whitespace around it
             name, value_start = plain.group(1).decode(), plain.end()
@@ -135,6 +165,28 @@ def unique_members(raw: bytes) -> list[Member] | None:
     with one is refused rather than guessed at."""
     found = members(raw)
     return found if len({m.name for m in found}) == len(found) else None
+
+
+def count_and_value(raw: bytes, name: str) -> tuple[int, bytes | None]:
+    """How many top-level members ``raw`` has, and the raw value of the member ``name`` (None if absent),
+    as ``members`` and ``member_value`` would give them, without building the members: with the parsed
+    object, ``len(parsed) != count`` is a repeated key (the parser keeps one of them)."""
+    if len(raw) <= _FAST_MAX:
+        pos = _skip_ws(raw, 0)
+        if raw[pos:pos + 1] == b"{":
+            pos = _skip_ws(raw, pos + 1)
+            if raw[pos:pos + 1] == b"}":
+                return 0, None
+            wanted, count, value, fast = name.encode(), 0, None, _MEMBER.match
+            while (whole := fast(raw, pos)) is not None:
+                count += 1
+                if value is None and whole.group(1) == wanted:  # a plain key: its bytes are its name
+                    value = raw[whole.start(2):whole.end(2)]
+                if whole.group(3) is None:
+                    return count, value
+                pos = whole.end()
+    found = members(raw)  # a member the pattern does not take: the whole document the slow way
+    return len(found), member_value(raw, found, name)
 
 
 def member_value(raw: bytes, spans: Iterable[Member], name: str) -> bytes | None:

@@ -332,7 +332,10 @@ class PdProcessor:
             server_info = await self._server_info.get(target, adapter.server_info_path)
         # The adapter sees the address we checked, not the name: an engine that dials the prefill host
         # itself (SGLang's bootstrap) must not resolve the name again to another address.
-        checked = WorkerAddress(host=str(target.ip), port=target.target.port, ip=target.ip)
+        given = target.target
+        # A header's IP target is already that address (prefill_target gives it the IP's canonical text).
+        checked = given if given.ip == target.ip else WorkerAddress(host=str(target.ip), port=given.port,
+                                                                       ip=target.ip)
         return PlanInput(checked, self._nonce(), server_info)
 
     async def _post_prefill(self, head: msg.RequestHead, request: ClientRequest,

@@ -153,9 +153,17 @@ class WorkerClient:
         gap = bounds.read_timeout if bounds is not None else self._limits.read_timeout
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._limits.max_connections)
+        deadline_at = asyncio.get_running_loop().time() + deadline
         try:
-            async with asyncio.timeout(deadline), self._slots:
-                return await self._exchange(method, target, path, headers, body, timings, started, gap)
+            if self._slots.locked():  # the wait for a slot counts against the deadline too
+                async with asyncio.timeout_at(deadline_at), self._slots:
+                    return await self._exchange(method, target, path, headers, body, timings, started, gap,
+                                                deadline_at)
+            # A free slot is taken without waiting; from here every wait (the connect, each read) is bounded
+            # by the deadline itself (http1.Connection.deadline), without a timeout context per request.
+            async with self._slots:
+                return await self._exchange(method, target, path, headers, body, timings, started, gap,
+                                            deadline_at)
         except TimeoutError:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:
@@ -164,7 +172,7 @@ class WorkerClient:
 
     async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
                         body: bytes | None, timings: ExchangeTimings | None, started: float,
-                        gap: float) -> WorkerReply:
+                        gap: float, deadline_at: float) -> WorkerReply:
         tls = self._tls if target.tls else None
         server_name = (tls.server_name or target.target.host) if tls else None
         key = (str(target.ip), target.target.port, server_name)
@@ -173,8 +181,9 @@ class WorkerClient:
         connection = self._pooled(key)
         try:
             if connection is None:
-                connection = await self._connect(key, tls, timings)
+                connection = await self._connect(key, tls, timings, deadline_at)
             assert connection.transport is not None
+            connection.deadline = deadline_at
             try:
                 connection.transport.write(request)
             except (OSError, RuntimeError):  # uvloop raises RuntimeError on a transport already closed
@@ -215,6 +224,8 @@ class WorkerClient:
             return b""
         try:
             return await connection.read_body(head, min(RELAYED_MAX_BODY_BYTES, self._limits.max_response_bytes), gap)
+        except http1.DeadlineExceeded:  # the whole exchange timed out: a timeout, as anywhere else
+            raise
         except (http1.BodyTooLarge, OSError):
             return b""
 
@@ -245,12 +256,13 @@ class WorkerClient:
             else:
                 del self._idle[key]
 
-    async def _connect(self, key: _PoolKey, tls: WorkerTls | None, timings: ExchangeTimings | None) -> http1.Connection:
+    async def _connect(self, key: _PoolKey, tls: WorkerTls | None, timings: ExchangeTimings | None,
+                       deadline_at: float) -> http1.Connection:
         host, port, server_name = key
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self._limits.connect_timeout):
+            async with asyncio.timeout_at(min(loop.time() + self._limits.connect_timeout, deadline_at)):
                 _, connection = await loop.create_connection(
                     http1.Connection, host, port, ssl=tls.context if tls else None, server_hostname=server_name)
         except TimeoutError:

@@ -215,3 +215,14 @@ def test_a_connection_the_peer_closed_is_not_usable() -> None:
     assert connection.usable
     connection.connection_lost(None)
     assert not connection.usable
+
+
+def test_a_wait_past_the_deadline_is_deadline_exceeded_even_within_the_gap() -> None:
+    async def run() -> None:
+        connection = FedConnection([b"HTTP/1.1 200 OK\r\n"], None)  # the head never completes
+        connection.connection_made(FakeTransport())  # type: ignore[arg-type]
+        connection.deadline = asyncio.get_running_loop().time()  # already due; the gap is long
+        await connection.read_head(gap=30)
+
+    with pytest.raises(http1.DeadlineExceeded):
+        asyncio.run(run())

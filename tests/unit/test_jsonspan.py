@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from hypothesis import given, settings
@@ -72,3 +73,70 @@ def test_orjson_measured_values_and_the_scanner_agree(monkeypatch: Any) -> None:
     scanned = [[(m.name, m.start, m.value_start, m.end) for m in jsonspan.members(d)] for d in documents]
     assert measured == scanned
     assert [m[0] for m in measured[1]] == ["ascii", "non-ascii", "after"]
+
+
+def _spans(raw: bytes) -> list[tuple[str, int, int, int]]:
+    return [(m.name, m.start, m.value_start, m.end) for m in jsonspan.members(raw)]
+
+
+def _fast_and_scanned(raw: bytes, monkeypatch: Any) -> tuple[list[tuple[str, int, int, int]],
+                                                              list[tuple[str, int, int, int]]]:
+    """The spans with the one-match-per-member fast path, and with the scanner alone."""
+    fast = _spans(raw)
+    with monkeypatch.context() as patch:
+        patch.setattr(jsonspan, "_MEMBER", re.compile(rb"(?!)"))  # never matches: every member scanned
+        scanned = _spans(raw)
+    return fast, scanned
+
+
+TRICKY = [
+    b'{"a": "x\\"}", "b": 1}',  # an escaped quote then a bracket in a string
+    b'{"a": "x\\\\", "b": "\\\\\\"", "c": "\\\\\\\\"}',  # strings ending in escaped backslashes
+    b'{"a": ["\\"]", {"k": "}\\\\"}], "b": {"c": "{[\\"]}"}}',  # brackets and escapes in nested strings
+    b'{"k\\"ey": 1, "k\\u0065y": 2, "\\\\": 3}',  # keys with escapes
+    b'{"a": 1, "a": 2}',  # a duplicate
+    b'{"a": 1, "\\u0061": 2}',  # a duplicate hidden by an escape
+    b'{"a" :\n\t[ 1 ,\r\n 2 ] ,\n"b"\t:\t{ }\n,"c":""}',  # whitespace everywhere
+    '{"é": "ü]}", "日本": ["語", {"x": "}"}], "z": -0.5e-3}'.encode(),  # non-ASCII
+    b'{"deep": ' + b"[" * 8 + b'"]"' + b"]" * 8 + b', "deeper": ' + b"[" * 9 + b"1" + b"]" * 9 + b"}",
+    b'{"e": [], "o": {}, "n": null, "t": true, "f": false, "s": "", "x": [[[]], {"": {}}]}',
+    b'{"a": "' + b"x" * 20000 + b'", "b": [1]}',  # larger than the fast path takes
+]
+
+
+def test_fast_path_and_scanner_agree_on_tricky_documents(monkeypatch: Any) -> None:
+    for raw in TRICKY:
+        json.loads(raw)  # each is valid JSON, as the callers guarantee
+        fast, scanned = _fast_and_scanned(raw, monkeypatch)
+        assert fast == scanned, raw
+    assert [m[0] for m in _spans(TRICKY[3])] == ['k"ey', "key", "\\"]
+    assert jsonspan.unique_members(TRICKY[4]) is None and jsonspan.unique_members(TRICKY[5]) is None
+
+
+# Text heavy in what the fast path must get right: quotes, backslashes, brackets, separators, non-ASCII.
+_tricky_text = st.text(alphabet=st.sampled_from('"\\[]{}:, a\u00e9\u65e5\n\t'), max_size=10) | st.text(max_size=6)
+tricky_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _tricky_text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(_tricky_text, children, max_size=4),
+    max_leaves=30,
+)
+tricky_objects = st.dictionaries(_tricky_text, tricky_values, max_size=8)
+
+
+@settings(max_examples=500, deadline=None)
+@given(tricky_objects, st.sampled_from([None, 0, 2]), st.booleans(), st.booleans())
+def test_fast_path_and_scanner_agree(obj: dict[str, Any], indent: int | None, ascii_only: bool,
+                                     duplicate: bool) -> None:
+    raw = json.dumps(obj, indent=indent, ensure_ascii=ascii_only).encode()
+    if duplicate and obj:  # the first member again at the end
+        first = next(iter(obj))
+        raw = raw.rstrip()[:-1] + b', ' + json.dumps(first).encode() + b': ' + json.dumps(obj[first]).encode() + b"}"
+    fast = _spans(raw)
+    saved = jsonspan._MEMBER
+    jsonspan._MEMBER = re.compile(rb"(?!)")
+    try:
+        scanned = _spans(raw)
+    finally:
+        jsonspan._MEMBER = saved
+    assert fast == scanned
+    assert (jsonspan.unique_members(raw) is None) == (duplicate and bool(obj))

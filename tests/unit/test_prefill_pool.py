@@ -184,3 +184,70 @@ def test_a_worker_that_closes_before_answering_is_unavailable() -> None:
         await pool.aclose()
 
     run(test)
+
+
+def _short_deadline(max_connections: int = 4) -> upstream.WorkerClient:
+    return upstream.WorkerClient(
+        upstream.WorkerLimits(connect_timeout=5, read_timeout=30, deadline=0.2, max_response_bytes=1 << 20,
+                               max_connections=max_connections),
+        PrefillPolicy((), allow_loopback=True))
+
+
+async def _dripping_worker_times_out(head: bytes) -> None:
+    """A worker that sends ``head``, then one byte of the body every 10 ms (well within the 30 s read
+    gap) until we close the connection: the post must fail on the 0.2 s deadline, as a timeout."""
+    finished = asyncio.Event()
+
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(head)
+            while True:
+                try:
+                    if not await asyncio.wait_for(reader.read(1), 0.01):
+                        break  # we closed the connection
+                except TimeoutError:
+                    writer.write(b" ")
+        finally:
+            writer.close()
+            finished.set()
+
+    server = await asyncio.start_server(drip, "127.0.0.1", 0)
+    pool = _short_deadline()
+    with pytest.raises(PdError) as error:
+        await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
+    assert error.value.code is Code.PREFILL_UPSTREAM_TIMEOUT
+    assert pool._idle == {}
+    await finished.wait()  # the worker saw our close
+    server.close()
+    await pool.aclose()
+
+
+def test_the_deadline_bounds_a_peer_that_drips_within_the_read_gap() -> None:
+    run(lambda: _dripping_worker_times_out(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"))
+
+
+def test_the_deadline_passing_while_an_error_body_drips_is_a_timeout_not_the_status() -> None:
+    run(lambda: _dripping_worker_times_out(
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"))
+
+
+def test_the_deadline_bounds_the_wait_for_a_connection_slot() -> None:
+    async def test() -> None:
+        hold = asyncio.Event()
+        async with worker(hold=hold) as prefill:
+            pool = _short_deadline(max_connections=1)
+            first = asyncio.create_task(pool.post(prefill.target, "/v1/completions", [], b"{}"))
+            await prefill.received.wait()  # the one slot is taken, and held past the deadline
+            with pytest.raises(PdError) as error:
+                await pool.post(prefill.target, "/v1/completions", [], b"{}")
+            assert error.value.code is Code.PREFILL_UPSTREAM_TIMEOUT
+            assert [c.requests for c in prefill.connections] == [1]  # the second never got a connection
+            with pytest.raises(PdError):  # the first timed out too, by now
+                await first
+            hold.set()  # the worker answers, then finds the connection closed
+            await prefill.connections[0].closed_by_us.wait()
+            await pool.aclose()
+
+    run(test)
