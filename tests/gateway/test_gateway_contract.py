@@ -14,6 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.gateway.cases import (
+    JSON,
+    assert_nothing_reached_an_engine,
+    assert_picker_down_is_gateway_error,
+    post,
+    served,
+)
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.helpers import (
     CHAT,
@@ -28,23 +35,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.dataplane
-JSON = {"content-type": "application/json"}
-
-
-def post(gw: GatewayStack, path: str, body: dict[str, Any] | bytes, **headers: str) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    with gw.client() as client:
-        return client.post(path, content=content, headers={**JSON, **headers})
-
-
-def served(gw: GatewayStack) -> dict[str, int]:
-    """How many requests each decode worker received."""
-    return {name: len(gw.decode(name).requests()) for name in DECODES}
-
-
-def assert_nothing_reached_an_engine(gw: GatewayStack) -> None:
-    assert gw.prefill.requests() == [], "the prefill leg must not run"
-    assert served(gw) == dict.fromkeys(DECODES, 0), "no decode worker may be reached"
 
 
 # --- P/D through the gateway ---------------------------------------------------------------------------
@@ -287,12 +277,7 @@ def test_the_picker_down_is_a_gateway_error_with_its_status_never_pd_extproc_una
     pd_extproc_unavailable. Fail closed: no engine reached, our filter never called. A stack of its own:
     the picker is not restarted."""
     with gateway_stack(replicas=1) as stack:
-        stack.picker.stop()
-        response = post(stack, CHAT, chat_body(max_tokens=2))
-        assert assert_error(response, 500, "gateway_error")["type"] == "server_error"
-        assert "pd_extproc" not in response.text
-        assert stack.pd_streams() == 0
-        assert_nothing_reached_an_engine(stack)
+        assert_picker_down_is_gateway_error(stack)
         # The same Envoy with the picker down and our server down: still the picker's failure (it runs first).
         stack.replicas[0].child.stop(sig=signal.SIGKILL)
         assert_error(post(stack, CHAT, chat_body(max_tokens=2)), 500, "gateway_error")

@@ -22,6 +22,11 @@ from deploy import render_manifests as rm
 from extproc.config import Settings
 from tests.deploy.test_gateway_mode import ISTIO, ISTIO_PICKER_FILTER, ISTIO_ROUTER, istio_gateway_shape, rendered
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
+from tests.gateway.cases import (
+    STEERING_FIELDS,
+    assert_picker_down_is_gateway_error,
+    assert_steering_refused_before_the_picker,
+)
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import assert_error, assert_nothing_reached_an_engine, post, served
 from tests.gateway.test_shipped_shape import _endpoints
@@ -77,23 +82,12 @@ def test_the_running_envoy_has_the_guard_before_the_picker_and_pd_extproc_before
     assert names[:2] == [rm.ISTIO_GUARD_FILTER, ISTIO_PICKER_FILTER] and names[-2:] == [PD_FILTER, ISTIO_ROUTER]
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "disaggregated_params",
-                                   "vllm_xargs.kv_transfer_params"])
+@pytest.mark.parametrize("field", STEERING_FIELDS)
 def test_a_decode_only_request_that_steers_the_engine_is_refused_before_any_engine(
         istio: GatewayStack, field: str) -> None:
     """The gap the Istio variant had: pd-extproc answers a decode-only request at its headers and never sees
     its body. The guard, inserted before Istio's picker, refuses it on the client's own body."""
-    istio.pick("decode-b", pd=False)
-    steering: Any = {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
-    if field == "bootstrap_host":
-        steering = "10.0.0.9"
-    head, _, tail = field.partition(".")
-    body = chat_body(max_tokens=2, **{head: {tail: steering} if tail else steering})
-    streams = istio.pd_streams()
-    error = assert_error(post(istio, CHAT, body), 400, "reserved_request_field")
-    assert error["param"] == field
-    assert_nothing_reached_an_engine(istio)
-    assert istio.picker.seen() == [] and istio.pd_streams() == streams
+    assert_steering_refused_before_the_picker(istio, field)
 
 
 def test_a_pd_request_whose_client_body_steers_the_engine_gets_the_same_refusal(istio: GatewayStack) -> None:
@@ -170,9 +164,4 @@ def test_the_picker_down_fails_closed_as_a_gateway_error_not_pd_extproc_unavaila
     pd_extproc_unavailable: the picker's failure is gateway_error with its 500. A stack of its own: the
     picker is not restarted."""
     with gateway_stack(shape=istio_shape, replicas=1) as stack:
-        stack.picker.stop()
-        response = post(stack, CHAT, chat_body(max_tokens=2))
-        assert assert_error(response, 500, "gateway_error")["type"] == "server_error"
-        assert "pd_extproc" not in response.text
-        assert stack.pd_streams() == 0
-        assert_nothing_reached_an_engine(stack)
+        assert_picker_down_is_gateway_error(stack)

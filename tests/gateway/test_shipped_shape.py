@@ -27,6 +27,7 @@ from tests.deploy.test_gateway_mode import (
     rendered,
 )
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
+from tests.gateway.cases import STEERING_FIELDS, assert_steering_refused_before_the_picker
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import JSON, assert_error, assert_nothing_reached_an_engine, post, served
 from tests.helpers import CHAT, COMPLETIONS, chat_body, only
@@ -87,26 +88,15 @@ def test_the_running_envoy_has_the_guard_first_then_the_picker_then_pd_extproc(s
     assert names[1].startswith(LUA_FILTER + "/")
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "disaggregated_params",
-                                   "vllm_xargs.kv_transfer_params"])
+@pytest.mark.parametrize("field", STEERING_FIELDS)
 def test_a_decode_only_request_that_steers_the_engine_is_refused_before_any_engine(
         shipped: GatewayStack, field: str) -> None:
     """The gap this shape had: pd-extproc answers a decode-only request at its headers and never sees its
     body. The policy's Lua guard (runs before the picker, Envoy Gateway's order) refuses a body member that
-    would steer the decode engine, e.g. make vLLM pull KV from an address the client chose."""
-    shipped.pick("decode-b", pd=False)
-    steering: Any = {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
-    if field == "bootstrap_host":
-        steering = "10.0.0.9"
-    head, _, tail = field.partition(".")
-    body = chat_body(max_tokens=2, **{head: {tail: steering} if tail else steering})
-    streams = shipped.pd_streams()
-    error = assert_error(post(shipped, CHAT, body), 400, "reserved_request_field")
-    assert error["param"] == field
-    assert_nothing_reached_an_engine(shipped)
-    # Refused before the picker and pd-extproc saw the request. (Envoy 1.40 passes the guard's reply
-    # through the picker's filter, whose response headers are SEND: a picker stream for the reply only.)
-    assert shipped.picker.seen() == [] and shipped.pd_streams() == streams
+    would steer the decode engine, e.g. make vLLM pull KV from an address the client chose. (Envoy 1.40
+    passes the guard's reply through the picker's filter, whose response headers are SEND: a picker
+    stream for the reply only, no request seen.)"""
+    assert_steering_refused_before_the_picker(shipped, field)
 
 
 def test_a_pd_request_whose_client_body_steers_the_engine_gets_the_same_refusal(shipped: GatewayStack) -> None:
