@@ -134,6 +134,9 @@ class Supervisor:
         # The merged counters keep rising across worker restarts (extproc/observability/merge.py).
         self._last_pages: dict[int, str] = {}  # each worker's last scraped page
         self._retired = ""  # the counts of workers that exited, as of their last scrape
+        # How many times each worker's counts went into _retired: a page scraped before its worker was
+        # retired is in _retired already and must not be merged again.
+        self._retirements = [0] * count
         self._high: dict[str, float] = {}
 
     def _spawn(self, index: int) -> tuple[subprocess.Popen[bytes], int]:
@@ -198,6 +201,7 @@ class Supervisor:
         last = self._last_pages.pop(index, None)
         if last is not None:
             self._retired = counters_only(merge_pages([self._retired, last]))
+        self._retirements[index] += 1
 
     async def _scrape(self, index: int) -> str | None:
         page = await scrape_unix(self.roles[index].metrics_socket)
@@ -226,8 +230,10 @@ class Supervisor:
     async def _http(self, request: Request) -> Response:
         if request.path == "/metrics":
             live = [index for index, ready in enumerate(self.ready) if ready]
+            retirements = [self._retirements[index] for index in live]
             scraped = await asyncio.gather(*(self._scrape(index) for index in live))
-            pages = [page for page in scraped if page is not None]
+            pages = [page for index, before, page in zip(live, retirements, scraped, strict=True)
+                     if page is not None and self._retirements[index] == before]
             if not pages:
                 return Response(503, b'{"status":"no worker answered"}')
             merged = merge_pages([*pages, self._retired], self._high)

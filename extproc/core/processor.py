@@ -284,8 +284,10 @@ class PdProcessor:
             self._finish(record, error.code.value, error.status)
             return
         except asyncio.CancelledError:
-            if handle.abandoned_after_decode is not None:  # decode's own error was the answer, as with
-                self._finish(record, "ok", handle.abandoned_after_decode)  # the sequential engines
+            # Ended by us after decode's answer went to the client (decode's error: abandoned; or a
+            # drain): that answer is the outcome, as with the sequential engines.
+            if handle.decode_answer_relayed is not None:
+                self._finish(record, "ok", handle.decode_answer_relayed)
             else:
                 self._finish(record, "cancelled", 499)
             raise

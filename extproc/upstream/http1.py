@@ -153,10 +153,13 @@ class Connection(asyncio.Protocol):
         and not past ``deadline`` (DeadlineExceeded)."""
         if self.closed:
             raise ConnectionClosed()
-        self._resume()  # the reader drained the buffer: read again
         loop = asyncio.get_running_loop()
+        now, deadline = loop.time(), self.deadline
+        if deadline is not None and now >= deadline:  # a peer that always has bytes ready never lets
+            raise DeadlineExceeded()  # the timer below fire: the deadline is checked before each wait too
+        self._resume()  # the reader drained the buffer: read again
         waiter = self._waiter = loop.create_future()
-        when, deadline = loop.time() + gap, self.deadline
+        when = now + gap
         if deadline is not None and deadline < when:
             timer = loop.call_at(deadline, _expire, waiter, DeadlineExceeded)
         else:

@@ -233,6 +233,40 @@ def test_the_deadline_passing_while_an_error_body_drips_is_a_timeout_not_the_sta
         b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"))
 
 
+def test_the_deadline_bounds_a_peer_that_floods_interim_responses() -> None:
+    """A worker that never stops sending ``100 Continue`` heads: every wait for bytes ends at once, so
+    only a deadline checked before each wait can end the exchange (found in review: it ran unbounded)."""
+    async def test() -> None:
+        finished = asyncio.Event()
+
+        async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                while not writer.is_closing() and not reader.at_eof():
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 64)
+                    await writer.drain()
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+                finished.set()
+
+        server = await asyncio.start_server(flood, "127.0.0.1", 0)
+        pool = _short_deadline()
+        with pytest.raises(PdError) as error:
+            # Without the check the post never returns: a generous outer bound fails the test instead
+            # of hanging the suite (TimeoutError is not a PdError).
+            async with asyncio.timeout(20):
+                await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
+        assert error.value.code is Code.PREFILL_UPSTREAM_TIMEOUT
+        assert pool._idle == {}
+        await finished.wait()  # the worker saw our close
+        server.close()
+        await pool.aclose()
+
+    run(test)
+
+
 def test_the_deadline_bounds_the_wait_for_a_connection_slot() -> None:
     async def test() -> None:
         hold = asyncio.Event()

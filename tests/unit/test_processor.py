@@ -362,6 +362,28 @@ def test_a_prefill_failing_after_decodes_answer_went_out_counts_what_the_client_
     asyncio.run(run())
 
 
+def test_a_prefill_cancelled_by_a_drain_after_decodes_answer_counts_that_answer() -> None:
+    """Found in review: a drain cancelling the prefill after decode's 200 had gone to the client was
+    counted cancelled (499)."""
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        never = asyncio.Event()
+
+        async def pending() -> WorkerReply:
+            await never.wait()
+            return sglang_prefill_ok()
+
+        r.transport.answers.append(pending)
+        request_head, pending_head = await start(r, CHAT_BODY)
+        outcome = await r.processor.on_body(request_head, pending_head, json.dumps(CHAT_BODY).encode())
+        assert outcome.background is not None
+        await r.processor.on_decode_answer(outcome.background, 200)
+        await r.background.drain(0)  # the drain's grace is over: the prefill is cancelled
+        assert r.outcomes() == {"ok": 1.0} and r.admission.inflight == 0
+
+    asyncio.run(run())
+
+
 # --- upstream's classification table --------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ them, the shared in-flight slots and decode-queue reading, and the merge of the 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,52 @@ def test_counters_keep_rising_when_a_worker_dies() -> None:
     assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 9
     one.requests.labels("vllm_nixl", "ok").inc(1)
     assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 10
+
+
+def test_a_worker_retired_while_a_scrape_is_pending_is_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: worker 0 answers a /metrics scrape, then exits while worker 1's answer is still
+    pending; its page went into the retired counts and was merged again from the scrape (10 + 5 shown
+    as 25, and the clamp kept it there)."""
+    import asyncio
+
+    from extproc import supervisor
+    from extproc.observability.httpserver import Request
+
+    settings = load_settings({"PD_EXTPROC_WORKERS": "2", "PD_EXTPROC_GRPC_LISTEN": "unix:/tmp/pd-x.sock"}, {})
+    boss = supervisor.Supervisor(settings)
+    boss.ready = [True, True]
+    key = 'pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}'
+
+    def page(count: int) -> str:
+        metrics = Metrics()
+        metrics.requests.labels("vllm_nixl", "ok").inc(count)
+        return _page(metrics)
+
+    async def run() -> None:
+        second_asked, second_may_answer = asyncio.Event(), asyncio.Event()
+        counts = {boss.roles[0].metrics_socket: 10, boss.roles[1].metrics_socket: 5}
+
+        async def scrape(path: Path) -> str:
+            if path == boss.roles[1].metrics_socket:
+                second_asked.set()
+                await second_may_answer.wait()
+            return page(counts[path])
+
+        monkeypatch.setattr(supervisor, "scrape_unix", scrape)
+        pending = asyncio.create_task(boss._http(Request("GET", "/metrics", [], b"", "test")))
+        await second_asked.wait()  # the scrapes run in order: worker 0's answered without waiting
+        assert 0 in boss._last_pages
+        boss.ready[0] = False  # worker 0 exits: what its keeper does
+        boss._retire(0)
+        second_may_answer.set()
+        first = await pending
+        assert _samples(first.body.decode())[key] == 15
+        boss.ready[0], counts[boss.roles[0].metrics_socket] = True, 0  # its replacement starts from 0
+        second = await boss._http(Request("GET", "/metrics", [], b"", "test"))
+        assert _samples(second.body.decode())[key] == 15
+
+    try:
+        asyncio.run(run())
+    finally:
+        boss.block.close()
+        shutil.rmtree(boss.dir)
