@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,30 +193,30 @@ def _short_deadline(max_connections: int = 4) -> upstream.WorkerClient:
         PrefillPolicy((), allow_loopback=True))
 
 
-async def _dripping_worker_times_out(head: bytes) -> None:
-    """A worker that sends ``head``, then one byte of the body every 10 ms (well within the 30 s read
-    gap) until we close the connection: the post must fail on the 0.2 s deadline, as a timeout."""
+Peer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _the_deadline_ends_the_exchange_with(peer: Peer) -> None:
+    """A worker that reads our request head, then behaves as ``peer`` until we close the connection: the
+    post must fail on the 0.2 s deadline, as a timeout, with the connection closed by us."""
     finished = asyncio.Event()
 
-    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(2)
-            writer.write(head)
-            while True:
-                try:
-                    if not await asyncio.wait_for(reader.read(1), 0.01):
-                        break  # we closed the connection
-                except TimeoutError:
-                    writer.write(b" ")
+            await peer(reader, writer)
+        except ConnectionError:
+            pass
         finally:
             writer.close()
             finished.set()
 
-    server = await asyncio.start_server(drip, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
     pool = _short_deadline()
     with pytest.raises(PdError) as error:
-        await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
+        # A post that never returns fails the test instead of hanging the suite (TimeoutError is not a PdError).
+        async with asyncio.timeout(20):
+            await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
     assert error.value.code is Code.PREFILL_UPSTREAM_TIMEOUT
     assert pool._idle == {}
     await finished.wait()  # the worker saw our close
@@ -224,47 +224,41 @@ async def _dripping_worker_times_out(head: bytes) -> None:
     await pool.aclose()
 
 
+def _drip(head: bytes) -> Peer:
+    """Send ``head``, then one byte of the body every 10 ms, well within the 30 s read gap."""
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(2)
+        writer.write(head)
+        while True:
+            try:
+                if not await asyncio.wait_for(reader.read(1), 0.01):
+                    return  # we closed the connection
+            except TimeoutError:
+                writer.write(b" ")
+
+    return peer
+
+
+async def _flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Never stop sending ``100 Continue`` heads."""
+    while not writer.is_closing() and not reader.at_eof():
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 64)
+        await writer.drain()
+
+
 def test_the_deadline_bounds_a_peer_that_drips_within_the_read_gap() -> None:
-    run(lambda: _dripping_worker_times_out(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"))
+    run(lambda: _the_deadline_ends_the_exchange_with(_drip(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")))
 
 
 def test_the_deadline_passing_while_an_error_body_drips_is_a_timeout_not_the_status() -> None:
-    run(lambda: _dripping_worker_times_out(
-        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"))
+    run(lambda: _the_deadline_ends_the_exchange_with(_drip(
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")))
 
 
 def test_the_deadline_bounds_a_peer_that_floods_interim_responses() -> None:
-    """A worker that never stops sending ``100 Continue`` heads: every wait for bytes ends at once, so
-    only a deadline checked before each wait can end the exchange (found in review: it ran unbounded)."""
-    async def test() -> None:
-        finished = asyncio.Event()
-
-        async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                await reader.readuntil(b"\r\n\r\n")
-                while not writer.is_closing() and not reader.at_eof():
-                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 64)
-                    await writer.drain()
-            except ConnectionError:
-                pass
-            finally:
-                writer.close()
-                finished.set()
-
-        server = await asyncio.start_server(flood, "127.0.0.1", 0)
-        pool = _short_deadline()
-        with pytest.raises(PdError) as error:
-            # Without the check the post never returns: a generous outer bound fails the test instead
-            # of hanging the suite (TimeoutError is not a PdError).
-            async with asyncio.timeout(20):
-                await pool.post(Worker(server.sockets[0].getsockname()[1]).target, "/v1/completions", [], b"{}")
-        assert error.value.code is Code.PREFILL_UPSTREAM_TIMEOUT
-        assert pool._idle == {}
-        await finished.wait()  # the worker saw our close
-        server.close()
-        await pool.aclose()
-
-    run(test)
+    """Every wait for bytes ends at once, so only a deadline checked before each wait can end the exchange
+    (found in review: it ran unbounded)."""
+    run(lambda: _the_deadline_ends_the_exchange_with(_flood))
 
 
 def test_the_deadline_bounds_the_wait_for_a_connection_slot() -> None:

@@ -20,7 +20,7 @@ from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefills
-from extproc.core.processor import PdProcessor, Pending
+from extproc.core.processor import BodyOutcome, PdProcessor, Pending
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
 from extproc.observability.metrics import Metrics, RequestRecord
@@ -242,18 +242,25 @@ def sglang_prefill_ok() -> WorkerReply:
     return ok({"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]})
 
 
+async def start_held_prefill(r: Rig, answer: WorkerReply) -> tuple[asyncio.Event, BodyOutcome]:
+    """A concurrent P/D request whose prefill worker answers ``answer`` once the returned event is set."""
+    release = asyncio.Event()
+
+    async def held() -> WorkerReply:
+        await release.wait()
+        return answer
+
+    r.transport.answers.append(held)
+    request_head, pending = await start(r, CHAT_BODY)
+    outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+    assert outcome.background is not None
+    return release, outcome
+
+
 def test_a_background_prefill_holds_its_slot_until_it_ends() -> None:
     async def run() -> None:
         r = rig(SglangAdapter())
-        release = asyncio.Event()
-
-        async def later() -> WorkerReply:
-            await release.wait()
-            return sglang_prefill_ok()
-
-        r.transport.answers.append(later)
-        request_head, pending = await start(r, CHAT_BODY)
-        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        release, outcome = await start_held_prefill(r, sglang_prefill_ok())
         assert outcome.background is not None and len(r.background) == 1
         decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
         assert decode_body["rid"] == "pd-0000000000001234" and decode_body["bootstrap_room"] == 1 + 0x1234
@@ -340,15 +347,7 @@ def test_a_prefill_failing_after_decodes_answer_went_out_counts_what_the_client_
     under decode's answer, the failure only in the background failure counter, and nothing is aborted."""
     async def run() -> None:
         r = rig(SglangAdapter())
-        release = asyncio.Event()
-
-        async def fails_later() -> WorkerReply:
-            await release.wait()
-            return WorkerReply(503, "application/json", b"")
-
-        r.transport.answers.append(fails_later)
-        request_head, pending = await start(r, CHAT_BODY)
-        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
+        release, outcome = await start_held_prefill(r, WorkerReply(503, "application/json", b""))
         assert outcome.background is not None
         answer = await r.processor.on_decode_answer(outcome.background, 200)
         assert answer.WhichOneof("response") == "response_headers"
@@ -367,15 +366,7 @@ def test_a_prefill_cancelled_by_a_drain_after_decodes_answer_counts_that_answer(
     counted cancelled (499)."""
     async def run() -> None:
         r = rig(SglangAdapter())
-        never = asyncio.Event()
-
-        async def pending() -> WorkerReply:
-            await never.wait()
-            return sglang_prefill_ok()
-
-        r.transport.answers.append(pending)
-        request_head, pending_head = await start(r, CHAT_BODY)
-        outcome = await r.processor.on_body(request_head, pending_head, json.dumps(CHAT_BODY).encode())
+        _never_released, outcome = await start_held_prefill(r, sglang_prefill_ok())
         assert outcome.background is not None
         await r.processor.on_decode_answer(outcome.background, 200)
         await r.background.drain(0)  # the drain's grace is over: the prefill is cancelled

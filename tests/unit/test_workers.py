@@ -4,7 +4,6 @@ them, the shared in-flight slots and decode-queue reading, and the merge of the 
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -251,5 +250,4 @@ def test_a_worker_retired_while_a_scrape_is_pending_is_counted_once(monkeypatch:
     try:
         asyncio.run(run())
     finally:
-        boss.block.close()
-        shutil.rmtree(boss.dir)
+        boss.close()
