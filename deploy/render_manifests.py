@@ -146,12 +146,14 @@ def render_k8s(settings: Settings, env: Mapping[str, str], target: Target) -> st
     return _dump_all(configmaps(settings, env), _header(target.settings_files))
 
 
+def _metadata(name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/part-of": "pd-extproc", "app.kubernetes.io/component": component}}
+
+
 def guard_configmap() -> dict[str, Any]:
     """The client guard's Lua for Envoy Gateway (k8s/gateway-mode/envoy-gateway.yaml's ``lua`` entry)."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": GUARD_CONFIGMAP, "namespace": NAMESPACE,
-                         "labels": {"app.kubernetes.io/part-of": "pd-extproc",
-                                    "app.kubernetes.io/component": "client-guard"}},
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(GUARD_CONFIGMAP, "client-guard"),
             "data": {GUARD_KEY: lua_source()}}
 
 
@@ -183,7 +185,7 @@ def istio_route_name(gateway_yaml: Path = ISTIO_GATEWAY) -> str:
 def istio_status_on_error(envoyfilter_yaml: Path | None = None) -> int:
     """pd-extproc's status_on_error in the hand-written EnvoyFilter: the mappers generated here recognise our
     filter's failures by it, so it must be GATEWAY_STATUS_ON_ERROR (checked when rendering)."""
-    envoyfilter_yaml = envoyfilter_yaml or ISTIO_EXT_PROC
+    envoyfilter_yaml = envoyfilter_yaml or ISTIO_EXT_PROC  # read at call time: tests plant another file
     found = []
     for doc in yaml.safe_load_all(envoyfilter_yaml.read_text()):
         for patch in (doc or {}).get("spec", {}).get("configPatches", []):
@@ -215,10 +217,6 @@ def istio_envoy_filters() -> list[dict[str, Any]]:
     Istio sets no local_reply_config on a gateway's connection manager, and a MERGE appends repeated fields
     (pkg/proto/merge/merge.go:89-90,114-125), so these are the mappers, ahead of any that another
     EnvoyFilter adds later."""
-    def meta(name: str, component: str) -> dict[str, Any]:
-        return {"name": name, "namespace": NAMESPACE, "labels": {"app.kubernetes.io/part-of": "pd-extproc",
-                                                                 "app.kubernetes.io/component": component}}
-
     if (status := istio_status_on_error()) != GATEWAY_STATUS_ON_ERROR:
         raise ValueError(f"{ISTIO_EXT_PROC}: pd-extproc's status_on_error is {status}, the local-reply mappers "
                          f"expect {GATEWAY_STATUS_ON_ERROR} (extproc/envoy/parts.py GATEWAY_STATUS_ON_ERROR)")
@@ -228,13 +226,13 @@ def istio_envoy_filters() -> list[dict[str, Any]]:
     guard_match["listener"]["filterChain"]["filter"]["subFilter"] = {"name": ISTIO_PICKER_FILTER}
     return [
         {"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
-         "metadata": meta("pd-client-guard", "client-guard"),
+         "metadata": _metadata("pd-client-guard", "client-guard"),
          "spec": {"workloadSelector": selector, "configPatches": [{
              "applyTo": "HTTP_FILTER", "match": guard_match,
              "patch": {"operation": "INSERT_BEFORE",
                        "value": {"name": ISTIO_GUARD_FILTER, "typed_config": guard["typed_config"]}}}]}},
         {"apiVersion": "networking.istio.io/v1alpha3", "kind": "EnvoyFilter",
-         "metadata": meta("pd-extproc-local-replies", "local-replies"),
+         "metadata": _metadata("pd-extproc-local-replies", "local-replies"),
          "spec": {"workloadSelector": selector, "configPatches": [{
              "applyTo": "NETWORK_FILTER", "match": _istio_hcm_match(),
              "patch": {"operation": "MERGE", "value": {"typed_config": {

@@ -113,6 +113,12 @@ class ListenError(OSError):
     """A listener cannot bind; the message says which and where, for the operator."""
 
 
+def metrics_listen_error(listen: Address, exc: OSError) -> ListenError:
+    """metrics_listen cannot be bound (by the server, or by the supervisor of several)."""
+    return ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
+                       "with --metrics-listen")
+
+
 class ExtProcServer:
     """The server and everything it owns, built from Settings. Construct inside the running loop.
 
@@ -203,8 +209,7 @@ class ExtProcServer:
             else:
                 self.metrics_port = await self.http.start(listen.host, listen.port)
         except OSError as exc:
-            raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
-                              "with --metrics-listen") from None
+            raise metrics_listen_error(listen, exc) from None
         await self.grpc.start()
         if isinstance(self.decode_queue, DecodeQueueWatch):
             self.decode_queue.start()

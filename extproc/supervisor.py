@@ -249,14 +249,13 @@ class Supervisor:
         return Response(404, b'{"status":"not found"}')
 
     async def run(self, on_ready: Callable[[str, int], None] | None) -> int:
-        from extproc.app import ListenError
+        from extproc.app import metrics_listen_error
 
         listen = self.settings.metrics_listen
         try:
             self.metrics_port = await self.http.start(listen.host, listen.port)
         except OSError as exc:
-            raise ListenError(f"cannot listen on {listen} (metrics_listen): {exc.strerror}; choose another "
-                              "with --metrics-listen") from None
+            raise metrics_listen_error(listen, exc) from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)

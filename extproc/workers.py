@@ -21,10 +21,10 @@ from pathlib import Path
 from extproc.core.admission import Admission
 from extproc.errors import Code, PdError
 from extproc.units import Address
+from extproc.upstream.decode_queue import fresh, over
 
 _SLOT = 8  # bytes: one signed 64-bit count per worker
 _READING = 16  # bytes: the decode queue's last reading and its CLOCK_MONOTONIC time (two doubles)
-STALE_AFTER_INTERVALS = 3  # as extproc/upstream/decode_queue.py: an older reading refuses nothing
 
 
 def worker_listen(listen: Address, index: int) -> Address:
@@ -139,13 +139,10 @@ class SharedQueueReading:
     @property
     def waiting(self) -> float | None:
         waiting, read_at = self._block.reading[0], self._block.reading[1]
-        if waiting != waiting or self._clock() - read_at > STALE_AFTER_INTERVALS * self._interval:
-            return None
-        return waiting
+        return None if waiting != waiting else fresh(waiting, read_at, self._clock(), self._interval)  # NaN: none
 
     def over_limit(self) -> bool:
-        waiting = self.waiting
-        return waiting is not None and waiting > self._limit
+        return over(self.waiting, self._limit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,7 +99,7 @@ def _scoped(mappers: list[dict[str, Any]], route_name: str) -> list[dict[str, An
 def local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
     """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
     replies left alone), each also conditioned on ``route_name``: nothing on any other route."""
-    return _scoped(copy.deepcopy(_local_reply_config()["mappers"]), route_name)
+    return _scoped(_local_reply_config()["mappers"], route_name)  # a fresh copy each call
 
 
 def gateway_local_reply_mappers(route_name: str) -> list[dict[str, Any]]:

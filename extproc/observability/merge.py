@@ -89,27 +89,26 @@ def merge_pages(pages: Iterable[str], high: dict[str, float] | None = None) -> s
     """The pages as one page (see the module docstring for how values combine). With ``high``, the
     highest value each counter or histogram series was exposed at: no such series is exposed lower,
     and ``high`` is updated."""
+    return _render(pages, high, rising_only=False)
+
+
+def counters_only(page: str) -> str:
+    """The counter and histogram families of a page (a dead worker's counts, kept in the sum)."""
+    return _render([page], None, rising_only=True)
+
+
+def _render(pages: Iterable[str], high: dict[str, float] | None, rising_only: bool) -> str:
     headers, samples, types = _families(pages)
     out: list[str] = []
     for family, lines in headers.items():
+        rising = types.get(family) in RISING_TYPES
+        if rising_only and not rising:
+            continue
         out.extend(lines)
-        rising = high is not None and types.get(family) in RISING_TYPES
         for key, (name, values) in samples[family].items():
             value = combine(name, values)
             if rising and high is not None:
                 value = max(value, high.get(key, value))
                 high[key] = value
             out.append(f"{key} {format_value(value)}")
-    return "\n".join(out) + "\n" if out else ""
-
-
-def counters_only(page: str) -> str:
-    """The counter and histogram families of a page (a dead worker's counts, kept in the sum)."""
-    headers, samples, types = _families([page])
-    out: list[str] = []
-    for family, lines in headers.items():
-        if types.get(family) in RISING_TYPES:
-            out.extend(lines)
-            out.extend(f"{key} {format_value(combine(name, values))}"
-                       for key, (name, values) in samples[family].items())
     return "\n".join(out) + "\n" if out else ""

@@ -156,14 +156,16 @@ class WorkerClient:
         deadline_at = asyncio.get_running_loop().time() + deadline
         try:
             if self._slots.locked():  # the wait for a slot counts against the deadline too
-                async with asyncio.timeout_at(deadline_at), self._slots:
-                    return await self._exchange(method, target, path, headers, body, timings, started, gap,
-                                                deadline_at)
-            # A free slot is taken without waiting; from here every wait (the connect, each read) is bounded
-            # by the deadline itself (http1.Connection.deadline), without a timeout context per request.
-            async with self._slots:
-                return await self._exchange(method, target, path, headers, body, timings, started, gap,
-                                            deadline_at)
+                async with asyncio.timeout_at(deadline_at):
+                    await self._slots.acquire()
+            else:
+                await self._slots.acquire()  # a free slot: taken without waiting
+            # From here every wait (the connect, each read) is bounded by the deadline itself
+            # (http1.Connection.deadline), without a timeout context per request.
+            try:
+                return await self._exchange(method, target, path, headers, body, timings, started, gap, deadline_at)
+            finally:
+                self._slots.release()
         except TimeoutError:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:

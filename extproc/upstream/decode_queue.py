@@ -28,6 +28,16 @@ log = logging.getLogger("extproc.decode_queue")
 STALE_AFTER_INTERVALS = 3
 
 
+def fresh(waiting: float | None, read_at: float, now: float, interval: float) -> float | None:
+    """``waiting`` while it is at most three intervals old, else None: an older reading refuses nothing."""
+    return None if now - read_at > STALE_AFTER_INTERVALS * interval else waiting
+
+
+def over(waiting: float | None, limit: int) -> bool:
+    """The limit's decision on a reading (None: no fresh reading, nothing refused)."""
+    return waiting is not None and waiting > limit
+
+
 def waiting_from(text: str, names: Sequence[str]) -> float | None:
     """The sum of every sample of the named metrics (all label sets), None if none of them is there."""
     values = list(sample_values(text, frozenset(names)))
@@ -65,13 +75,10 @@ class DecodeQueueWatch:
     @property
     def waiting(self) -> float | None:
         """The last reading, or None when there is none fresh enough to act on."""
-        if self._clock() - self._read_at > STALE_AFTER_INTERVALS * self._interval:
-            return None
-        return self._waiting
+        return fresh(self._waiting, self._read_at, self._clock(), self._interval)
 
     def over_limit(self) -> bool:
-        waiting = self.waiting
-        return waiting is not None and waiting > self._limit
+        return over(self.waiting, self._limit)
 
     async def read_once(self) -> None:
         """One scrape, bounded by the interval (a slow page must not hold the last reading past it)."""
