@@ -27,7 +27,15 @@ import uvloop
 from extproc import ready
 from extproc._version import __version__
 from extproc.adapters import EngineLoadError, by_engine, engines
-from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, Settings, add_arguments, load_settings, specs
+from extproc.config import (
+    ENVOY_ONLY_SETTINGS,
+    ConfigError,
+    Settings,
+    add_arguments,
+    load_settings,
+    open_prefill_policy,
+    specs,
+)
 from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
@@ -48,6 +56,9 @@ def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -
 
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
+    refusal = open_prefill_policy(settings)
+    if refusal:
+        raise ConfigError(refusal)
     logs.configure(settings.log_level)
     from extproc.app import ListenError, serve
 
@@ -149,6 +160,9 @@ def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings
     workers, demo_env = _demo_workers(settings, workdir)
     environ = {**environ, **demo_env}
     settings = _settings(args, environ)
+    refusal = open_prefill_policy(settings)
+    if refusal:  # before any child starts: the server would refuse the same
+        raise ConfigError(refusal)
     logs.configure(settings.log_level)
     running: stack.RunningStack | None = None
     stop_requested = False

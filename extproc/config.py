@@ -264,6 +264,24 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     return settings
 
 
+def open_prefill_policy(settings: Settings) -> str:
+    """Why ``serve`` must not start with these settings, or "": outside demo mode, something must stop a
+    client from choosing where the server sends its prompt and credentials. In sidecar mode an allow-list
+    or trusted sources (only those peers may name a target); in gateway mode an allow-list (the picker
+    names the target there, and trusted sources apply to our own Envoy bootstrap only)."""
+    if settings.demo or settings.prefill_allow or settings.adapter == "none":
+        return ""
+    if settings.mode == "gateway":
+        return ("refusing to start in gateway mode without PD_EXTPROC_PREFILL_ALLOW: set it to the prefill pods' "
+                "CIDR and port (e.g. 10.0.0.0/8:8000) or their Service name (README, Security model)")
+    if settings.trusted_sources:
+        return ""
+    return ("refusing to start with neither PD_EXTPROC_PREFILL_ALLOW nor PD_EXTPROC_TRUSTED_SOURCES: any client "
+            "could choose where this server sends its prompt and credentials. Set PD_EXTPROC_PREFILL_ALLOW to the "
+            "prefill workers (CIDR:ports or name:ports) and/or PD_EXTPROC_TRUSTED_SOURCES to the gateway's CIDRs "
+            "(README, Security model); PD_EXTPROC_DEMO=true is for the emulated demo only")
+
+
 def _did_you_mean(name: str) -> str:
     return f" (did you mean {name.upper()}?)" if name.upper() in _spec_by_env() else ""
 
