@@ -84,7 +84,11 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     if args.parts:
         from extproc.envoy.parts import render_parts_yaml
 
-        sys.stdout.write(render_parts_yaml(settings, args.decode_cluster, args.route_name))
+        try:
+            ext_proc_address = parse_address(args.ext_proc_address) if args.ext_proc_address else None
+        except ValueError as exc:
+            raise ConfigError(f"--ext-proc-address: {exc}") from None
+        sys.stdout.write(render_parts_yaml(settings, args.decode_cluster, args.route_name, ext_proc_address))
         return 0
     if settings.mode == "gateway":
         raise ConfigError("gateway mode has no bootstrap of its own (the gateway's Envoy is yours): use --parts")
@@ -281,6 +285,8 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
                               help="with --parts, sidecar mode: your decode cluster, for the pd route")
     envoy_config.add_argument("--route-name", default="",
                               help="with --parts, gateway mode: the inference route's name (scopes the local replies)")
+    envoy_config.add_argument("--ext-proc-address", default=None, metavar="HOST:PORT",
+                              help="with --parts, gateway mode: the pd-extproc Service (resolved by DNS)")
     envoy_config.set_defaults(run=cmd_envoy_config)
     # Every argument is Envoy's (prefix_chars: none of ours, so `-c FILE` is not parsed here).
     envoy = commands.add_parser("envoy", help="run Envoy with these arguments; on SIGTERM drain it, then stop it",
