@@ -129,7 +129,8 @@ class Settings:
                                       "HTTP host:port for /metrics, /healthz and /readyz")
     prefill_allow: tuple[Rule, ...] = setting(
         (), parse_allow_list, "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
-        "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)", show=describe)
+        "(ports *, N or N-M); empty = default policy (no loopback, link-local, metadata), allowed outside demo mode "
+        "only with trusted_sources", show=describe)
     prefill_tls: bool = setting(False, parse_bool, "use TLS to prefill workers")
     prefill_ca_file: str = setting("", existing_file, "CA bundle for prefill TLS; empty = the system CAs")
     prefill_cert_file: str = setting("", existing_file, "client certificate for prefill mTLS")
