@@ -29,7 +29,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.core.headers import PICKER_HEADERS
-from extproc.core.steering import refuse_steering
+from extproc.core.steering import STEERING_FIELDS, refuse_steering
 from extproc.envoy import messages as msg
 from extproc.envoy.messages import RequestHead
 from extproc.envoy.pd_request import PREFILL_TARGET_HEADER, is_pd
@@ -56,13 +56,22 @@ def is_pd_request(head: RequestHead) -> bool:
     return is_pd(head.first(":method"), head.path, is_tagged(head))
 
 
+# A JSON key spells a steering member's last name either literally or with a \u escape (the names are
+# ASCII letters and "_", which no other escape yields): a body with neither is not parsed at all.
+_LAST_NAMES = tuple(sorted({field.path[-1].encode() for field in STEERING_FIELDS}))
+
+
+def _may_steer(body: bytes) -> bool:
+    return b"\\u" in body or any(name in body for name in _LAST_NAMES)
+
+
 def inspect_tagged(body: bytes) -> pb.ProcessingResponse:
     """A tagged request that is not P/D (another method or path): its body, which the engine may read as
     JSON whatever the path, is checked for steering members as on the P/D route. Refused with the same
     400 reserved_request_field; otherwise continued unchanged but for the picker's headers. A body that
     is not a JSON object carries no member to check here (the client guard in front judges other kinds)."""
     try:
-        parsed = orjson.loads(body) if body else None
+        parsed = orjson.loads(body) if _may_steer(body) else None
     except orjson.JSONDecodeError:
         parsed = None
     if isinstance(parsed, dict):

@@ -137,3 +137,19 @@ def test_the_aggregated_fallback_sends_the_clients_request_to_the_picked_decode(
         assert not {m.header.key for m in common.header_mutation.set_headers} & {"x-gateway-destination-endpoint"}
 
     run(test, **GATEWAY, PD_EXTPROC_PREFILL_FALLBACK="aggregated")
+
+
+@pytest.mark.parametrize("raw", [
+    rb'{"model": "m", "kv_transfer_param\u0073": {"remote_host": "10.0.0.9"}}',
+    rb'{"model": "m", "\u0062ootstrap_host": "10.0.0.9"}',
+    rb'{"model": "m", "parameters": {"bootstrap_room": 7}, "kv_transfer_params": null, "bootstrap_room": 1}',
+], ids=["escaped-last-letter", "escaped-first-letter", "plain"])
+def test_a_steering_member_spelled_with_escapes_is_refused_too(raw: bytes) -> None:
+    """The server parses a tagged body only when a steering name can appear in it: literally, or through
+    a \\u escape (as CPython's json decodes it for the engine)."""
+    async def test(h: Harness) -> None:
+        extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
+        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(raw))
+        assert error_of(responses[1]) == (400, "reserved_request_field")
+
+    run(test, **GATEWAY)
