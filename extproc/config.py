@@ -129,7 +129,8 @@ class Settings:
                                       "HTTP host:port for /metrics, /healthz and /readyz")
     prefill_allow: tuple[Rule, ...] = setting(
         (), parse_allow_list, "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
-        "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)", show=describe)
+        "(ports *, N or N-M); empty = default policy (no loopback, link-local, metadata), allowed outside demo mode "
+        "only with trusted_sources", show=describe)
     prefill_tls: bool = setting(False, parse_bool, "use TLS to prefill workers")
     prefill_ca_file: str = setting("", existing_file, "CA bundle for prefill TLS; empty = the system CAs")
     prefill_cert_file: str = setting("", existing_file, "client certificate for prefill mTLS")
@@ -262,6 +263,24 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings
+
+
+def open_prefill_policy(settings: Settings) -> str:
+    """Why ``serve`` must not start with these settings, or "": outside demo mode, something must stop a
+    client from choosing where the server sends its prompt and credentials. In sidecar mode an allow-list
+    or trusted sources (only those peers may name a target); in gateway mode an allow-list (the picker
+    names the target there, and trusted sources apply to our own Envoy bootstrap only)."""
+    if settings.demo or settings.prefill_allow or settings.adapter == "none":
+        return ""
+    if settings.mode == "gateway":
+        return ("refusing to start in gateway mode without PD_EXTPROC_PREFILL_ALLOW: set it to the prefill pods' "
+                "CIDR and port (e.g. 10.0.0.0/8:8000) or their Service name (README, Security model)")
+    if settings.trusted_sources:
+        return ""
+    return ("refusing to start with neither PD_EXTPROC_PREFILL_ALLOW nor PD_EXTPROC_TRUSTED_SOURCES: any client "
+            "could choose where this server sends its prompt and credentials. Set PD_EXTPROC_PREFILL_ALLOW to the "
+            "prefill workers (CIDR:ports or name:ports) and/or PD_EXTPROC_TRUSTED_SOURCES to the gateway's CIDRs "
+            "(README, Security model); PD_EXTPROC_DEMO=true is for the emulated demo only")
 
 
 def _did_you_mean(name: str) -> str:

@@ -35,11 +35,13 @@ class Phase(Enum):
 
     HEADERS = "headers"
     BODY = "body"  # the whole body, in one message (end_of_stream)
+    INSPECT = "inspect"  # gateway mode: the body of a tagged request that is not P/D (gateway.inspect_tagged)
     DECODE_ANSWER = "decode_answer"  # decode's response headers, if Envoy sends them
     DONE = "done"
 
 
-EXPECTS = {Phase.HEADERS: "request_headers", Phase.BODY: "request_body", Phase.DECODE_ANSWER: "response_headers"}
+EXPECTS = {Phase.HEADERS: "request_headers", Phase.BODY: "request_body", Phase.INSPECT: "request_body",
+           Phase.DECODE_ANSWER: "response_headers"}
 
 
 @dataclass(slots=True)
@@ -56,7 +58,8 @@ class _Stream:
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, processor: PdProcessor, passthrough: Callable[[], None] | None = None) -> None:
         """``passthrough`` (gateway mode): called for each request that is not P/D, which is then let
-        through after its headers message (extproc/envoy/gateway.py)."""
+        through after its headers message, or after its body when the picker tagged it
+        (extproc/envoy/gateway.py)."""
         self._processor = processor
         self._passthrough = passthrough
 
@@ -85,6 +88,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return await self._on_headers(stream, request.request_headers)
         if stream.phase is Phase.BODY:
             return await self._on_body(stream, request.request_body)
+        if stream.phase is Phase.INSPECT:
+            return self._on_tagged_body(stream, request.request_body)
         stream.phase = Phase.DONE
         if stream.background is None:  # a sequential engine with response headers sent anyway
             return msg.continue_response_headers(), False
@@ -96,6 +101,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         stream.phase = Phase.DONE
         stream.head = msg.head_from_headers(headers)
         if self._passthrough is not None and not gateway.is_pd_request(stream.head):
+            if gateway.is_tagged(stream.head) and not headers.end_of_stream:
+                stream.phase = Phase.INSPECT  # the guard in front skipped it only if P/D: never past us unseen
+                return msg.continue_headers(), False
             self._passthrough()
             return gateway.passthrough(), True
         outcome = await self._processor.on_headers(stream.head)
@@ -118,6 +126,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self._passthrough is not None:
             return gateway.without_picker_headers(outcome.response), False
         return outcome.response, False
+
+    def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+        stream.phase = Phase.DONE
+        if not body.end_of_stream:
+            _log_out_of_order(Phase.INSPECT, "request_body chunk")
+            return msg.error_reply(Code.INTERNAL_ERROR, 500), True
+        response = gateway.inspect_tagged(body.body)
+        if response.WhichOneof("response") == "immediate_response":
+            log.info("refused a tagged request that is not P/D: its body carries a steering member")
+            return response, True
+        assert self._passthrough is not None
+        self._passthrough()
+        stream.phase = Phase.DECODE_ANSWER  # answered with a plain continue if Envoy sends it
+        return response, False
 
     def _out_of_order(self, stream: _Stream, kind: str | None) -> pb.ProcessingResponse:
         """A message the phase does not expect: the request is refused, counted once (its record is

@@ -110,7 +110,7 @@ class Metrics:
             registry=self.registry)
         self.passthroughs = Counter(
             "pd_extproc_gateway_passthroughs",
-            "Gateway mode: requests that were not P/D (no x-prefiller-host-port), let through after their headers.",
+            "Gateway mode: requests that were not P/D, let through (a tagged one once its body was read).",
             registry=self.registry)
         self.request_bytes = Histogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
