@@ -246,7 +246,8 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
          "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
     ]
     if not settings.trust_client_steering:
-        filters.append(guard_filter())
+        filters.append(guard_filter(allow_compressed=settings.guard_allow_compressed_bodies,
+                                    allow_form_json=settings.guard_allow_form_json_fields))
     if pd_enabled:
         filters.append({"name": EXT_PROC_FILTER, "disabled": True, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
