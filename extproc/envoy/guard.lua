@@ -69,7 +69,7 @@ local function scan_object(s, i, path, depth)
     i = skip_ws(s, after)
     if byte(s, i) ~= 58 then return nil end
     i = skip_ws(s, i + 1)
-    local full, child, here = nil, nil, nil
+    local full, child, here, tracked = nil, nil, nil, false
     if path ~= nil then
       full = path == "" and key or (path .. "." .. key)
       if WATCH[full] then
@@ -83,10 +83,11 @@ local function scan_object(s, i, path, depth)
         end
       end
       if PARENTS[full] then child = full end
+      tracked = WATCH[full] or PARENTS[full]
     end
     local nxt, nested = scan_value(s, i, child, depth + 1)
     if nxt == nil then return nil end
-    if here or child then
+    if tracked then -- a later null (or an object without the member) unsets an earlier value
       outcome, order = outcome or {}, order or {}
       if outcome[key] == nil then order[#order + 1] = key end
       outcome[key] = here or nested or false
