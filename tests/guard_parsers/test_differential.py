@@ -38,7 +38,7 @@ pytestmark = pytest.mark.guard_parsers
 HERE = Path(__file__).parent
 PYTHON = Path(os.environ.get("PD_GUARD_PYTHON", REPO / ".venv-guard" / "bin" / "python"))
 LUA = shutil.which("lua5.1") or "lua5.1"
-EXAMPLES = int(os.environ.get("PD_GUARD_EXAMPLES", "400"))
+EXAMPLES = int(os.environ.get("PD_GUARD_EXAMPLES", "1000"))
 PATHS = [list(field.path) for field in STEERING_FIELDS]
 
 
@@ -183,7 +183,8 @@ def forms(draw: st.DrawFn, multipart: bool) -> tuple[str, bytes]:
         xargs = {"temperature_x": 1}
         if draw(st.booleans()):
             xargs["kv_transfer_params"] = draw(st.sampled_from(VALUES))
-        fields.append(("vllm_xargs", json.dumps(xargs)))
+        fields.append((draw(st.sampled_from(["vllm_xargs", "vllm_xargs", "VLLM_XARGS", "vllm_xargs "])),
+                       json.dumps(xargs)))
     if not multipart:
         quote = draw(st.sampled_from([urllib.parse.quote_plus,
                                       lambda s: "".join(f"%{b:02X}" for b in s.encode())]))
@@ -192,7 +193,8 @@ def forms(draw: st.DrawFn, multipart: bool) -> tuple[str, bytes]:
     params = draw(st.sampled_from(["", "; charset=utf-8", "; charset=cp500"]))
     parts = []
     for name, value in fields:
-        spelled = draw(st.sampled_from([f'name="{name}"', f"name={name}", f"name*=utf-8''{name}; name=\"{name}\""]))
+        spelled = draw(st.sampled_from([f'name="{name}"', f"name={name}", f"name*=utf-8''{name}; name=\"{name}\"",
+                                        f"name*=utf-8''{name}; name=\"x{name}\"", f'NAME="{name}"']))
         parts.append(f"--{boundary}\r\nContent-Disposition: form-data; {spelled}\r\n\r\n{value}\r\n")
     parts.append(f"--{boundary}--\r\n")
     return f"multipart/form-data; boundary={boundary}{params}", "".join(parts).encode()
