@@ -143,7 +143,8 @@ class ExtProcServer:
             deadline=settings.prefill_deadline,
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
-        ), self.policy, _prefill_tls(settings))
+            keepalive=settings.prefill_keepalive,
+        ), self.policy, _prefill_tls(settings), on_retry=self.metrics.prefill_retries.inc)
         self.tracing = _tracing(settings)
         self.background = BackgroundPrefills()
         try:

@@ -31,6 +31,7 @@ from extproc.settings_spec import (
     text_value,
 )
 from extproc.units import Address, format_duration, parse_address, parse_duration
+from extproc.upstream.client import KEEPALIVE_SECONDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # sidecar: our own Envoy in front of one decode worker; gateway: an ext_proc of the gateway's Envoy,
@@ -110,6 +111,10 @@ class Settings:
     prefill_read_timeout: float = setting(30.0, positive_duration,
                                           "longest silence while reading the prefill response")
     prefill_deadline: float = setting(60.0, positive_duration, "total deadline for the whole prefill leg")
+    prefill_keepalive: float = setting(
+        KEEPALIVE_SECONDS, positive_duration, "idle time after which a pooled prefill connection is closed, not "
+        "reused; keep it below the prefill workers' own keep-alive (uvicorn's default: 5s) and any proxy's idle "
+        "timeout in front of them")
     envoy_message_timeout: float = setting(0.0, parse_duration,
                                            "Envoy ext_proc message_timeout; 0s = prefill_deadline + 5s")
     client_body_timeout: float = setting(30.0, positive_duration, "time a client has to send the whole request")
