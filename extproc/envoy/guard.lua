@@ -182,10 +182,22 @@ end
 
 -- A form field the engine decodes as JSON (vLLM's transcription and translation vllm_xargs), named where
 -- the form parser would read it: a multipart part's name is taken as written (python-multipart
--- parse_options_header ignores name*= and unescapes only \\ and \"), unless a charset parameter makes
--- Starlette decode it otherwise; an urlencoded name is percent-decoded.
+-- parse_options_header ignores name*= and unescapes only \\ and \"), unless a charset parameter other than an
+-- ASCII-compatible one makes Starlette decode it otherwise; an urlencoded name is percent-decoded.
+-- Charsets in which the ASCII bytes of a field name decode to the same name (Starlette's MultiPartParser
+-- decodes names with the content-type's charset; codecs.lookup of an unknown one falls back to latin-1).
+local ASCII_CHARSETS = { ["utf-8"] = true, ["utf8"] = true, ["us-ascii"] = true, ["ascii"] = true,
+                         ["iso-8859-1"] = true, ["latin-1"] = true, ["latin1"] = true }
+
+local function names_decode_as_ascii(content_type)
+  for value in lower(content_type):gmatch('charset[ \t]*=[ \t]*"?([^";]*)') do
+    if not ASCII_CHARSETS[value:match("^[ \t]*(.-)[ \t]*$")] then return false end
+  end
+  return true
+end
+
 local function form_json_field(kind, content_type, s)
-  if kind == "multipart" and find(lower(content_type), "charset", 1, true) then return "content-type" end
+  if kind == "multipart" and not names_decode_as_ascii(content_type) then return "content-type" end
   local text = kind == "urlencoded" and unquote_plus(s) or s
   for _, name in ipairs(FORM_JSON_FIELDS) do
     if find(text, name, 1, true) then return name end

@@ -328,6 +328,8 @@ LEGITIMATE_BODIES = [
                                 b' true}, "kv_transfer_params": null, "max_tokens": 2}', _JSON),
     ("form-without-json-fields", MULTIPART_FORM.replace(b"vllm_xargs", b"language").replace(
         b'{"kv_transfer_params": "x"}', b"en"), {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}),
+    ("form-in-utf-8", MULTIPART_FORM.replace(b"vllm_xargs", b"language"),
+     {"content-type": f"multipart/form-data; boundary={BOUNDARY}; charset=UTF-8"}),
 ]
 
 

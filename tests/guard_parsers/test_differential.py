@@ -17,6 +17,7 @@ import base64
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import urllib.parse
@@ -190,7 +191,8 @@ def forms(draw: st.DrawFn, multipart: bool) -> tuple[str, bytes]:
                                       lambda s: "".join(f"%{b:02X}" for b in s.encode())]))
         return "application/x-www-form-urlencoded", "&".join(f"{quote(n)}={quote(v)}" for n, v in fields).encode()
     boundary = "b0und4ry"
-    params = draw(st.sampled_from(["", "; charset=utf-8", "; charset=cp500"]))
+    params = draw(st.sampled_from(["", "; charset=utf-8", '; CHARSET = "UTF-8"', "; charset=cp500", "; charset=utf-16",
+                                   "; charset=utf-8; charset=cp500"]))
     parts = []
     for name, value in fields:
         spelled = draw(st.sampled_from([f'name="{name}"', f"name={name}", f"name*=utf-8''{name}; name=\"{name}\"",
@@ -236,8 +238,9 @@ def documented_refusal(verdict: Verdict, headers: dict[bytes, bytes], body: byte
     if verdict.code == "uninspectable_request_body":
         if verdict.param == "x-body-compressed":
             return b"x-body-compressed" in headers
-        if verdict.param == "content-type":
-            return "charset" in content_type.lower()
+        if verdict.param == "content-type":  # a charset other than an ASCII-compatible one
+            return any(charset not in ("utf-8", '"utf-8"') for charset in re.findall(
+                r"charset\s*=\s*([^;\s]*)", content_type.lower()))
         text = urllib.parse.unquote_plus(body.decode("latin-1")) if "urlencoded" in content_type.lower() else body
         return verdict.param in FORM_JSON_FIELDS and verdict.param in str(text)
     if verdict.code == "unsupported_media_type":
