@@ -180,10 +180,6 @@ local function unquote_plus(s)
   return (s:gsub("%+", " "):gsub("%%(%x%x)", function(hex) return char(tonumber(hex, 16)) end))
 end
 
--- A form field the engine decodes as JSON (vLLM's transcription and translation vllm_xargs), named where
--- the form parser would read it: a multipart part's name is taken as written (python-multipart
--- parse_options_header ignores name*= and unescapes only \\ and \"), unless a charset parameter other than an
--- ASCII-compatible one makes Starlette decode it otherwise; an urlencoded name is percent-decoded.
 -- Charsets in which the ASCII bytes of a field name decode to the same name (Starlette's MultiPartParser
 -- decodes names with the content-type's charset; codecs.lookup of an unknown one falls back to latin-1).
 local ASCII_CHARSETS = { ["utf-8"] = true, ["utf8"] = true, ["us-ascii"] = true, ["ascii"] = true,
@@ -196,6 +192,10 @@ local function names_decode_as_ascii(content_type)
   return true
 end
 
+-- A form field the engine decodes as JSON (vLLM's transcription and translation vllm_xargs), named where
+-- the form parser would read it: a multipart part's name is taken as written (python-multipart
+-- parse_options_header ignores name*= and unescapes only \\ and \"), unless a charset parameter other than an
+-- ASCII-compatible one makes Starlette decode it otherwise; an urlencoded name is percent-decoded.
 local function form_json_field(kind, content_type, s)
   if kind == "multipart" and not names_decode_as_ascii(content_type) then return "content-type" end
   local text = kind == "urlencoded" and unquote_plus(s) or s
