@@ -158,6 +158,14 @@ class Settings:
         False, parse_bool, "true turns the client guard off: a client may then send the fields and headers that "
         "make an engine pull KV from a host of its choosing or hold KV (README, Security model); only where every "
         "client is trusted")
+    guard_allow_compressed_bodies: bool = setting(
+        False, parse_bool, "true lets a request with x-body-compressed pass the client guard unread: an SGLang engine "
+        "started with SGLANG_ENABLE_REQUEST_DECOMPRESSION=1 then decompresses a body the guard never saw, steering "
+        "fields included (docs/security.md)")
+    guard_allow_form_json_fields: bool = setting(
+        False, parse_bool, "true lets a form that may carry vllm_xargs pass the client guard unread: vLLM's "
+        "transcription and translation endpoints decode it as JSON into extra_args, kv_transfer_params included "
+        "(docs/security.md)")
     decode_queue_limit: int = setting(
         0, non_negative_int, "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode "
         "worker has more than this many requests waiting; 0 = off")

@@ -259,7 +259,8 @@ def stats_config() -> dict[str, Any]:
 def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
     filters: list[dict[str, Any]] = [body_limit_filter(settings)]
     if not settings.trust_client_steering:
-        filters.append(guard_filter())
+        filters.append(guard_filter(allow_compressed=settings.guard_allow_compressed_bodies,
+                                    allow_form_json=settings.guard_allow_form_json_fields))
     if pd_enabled:
         filters.append({"name": EXT_PROC_FILTER, "disabled": True, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
