@@ -1,0 +1,89 @@
+"""Where the client's body is inspected: on the event loop when it is small, in a pool of worker
+processes when it is large, so one body of any shape never holds the loop (health checks, other
+streams) for longer than a small one does.
+
+A thread would not do: orjson and the member scanner hold the GIL for the whole parse (a 32 MiB body of
+1.2 million tiny content parts takes seconds). docs/decisions.md has the measurements. The pool's
+processes start on the first large body and are spawned (not forked: the server runs gRPC threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from extproc.core.inspection import Inspected, Refusal, Rules, client_request, inspect, inspect_answer
+from extproc.core.openai_request import ClientRequest, precheck
+from extproc.errors import Code, PdError
+
+log = logging.getLogger("extproc.inspector")
+
+# Bodies up to this size are inspected on the loop: the worst shape costs about 0.3 ms there (16 KiB of
+# tiny content parts, matched by jsonspan's one-regex fast path); 32 KiB of it costs 5 ms.
+INLINE_MAX_BYTES = 16 << 10
+
+Work = Callable[[str, "str | None", bytes, Rules], "Inspected | Refusal"]
+
+
+def pool_size(max_inflight: int, processes: int = 1) -> int:
+    """Worker processes for one server process: no more than its share of the CPUs it may run on, and no
+    more than the requests it admits at once."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(max_inflight, cpus // max(1, processes)))
+
+
+class Inspector:
+    """Owns the pool. ``max_waiting`` bounds the large bodies waiting for (or in) the pool: past it a
+    large body is refused as pd_overloaded, as the admission cap would refuse it after its inspection."""
+
+    def __init__(self, rules: Rules, *, workers: int = 1, max_waiting: int = 1024,
+                 inline_max_bytes: int = INLINE_MAX_BYTES, work: Work = inspect_answer) -> None:
+        self._rules = rules
+        self._workers = workers
+        self._max_waiting = max_waiting
+        self._inline_max_bytes = inline_max_bytes
+        self._work = work
+        self._pool: ProcessPoolExecutor | None = None
+        self.waiting = 0  # large bodies submitted and not answered yet
+        self.offloaded = 0  # large bodies inspected in the pool, answered or not
+
+    async def inspect(self, path: str, content_type: str | None, raw: bytes) -> ClientRequest:
+        """The checked request, or PdError: the same answer on either side of the size limit."""
+        if len(raw) <= self._inline_max_bytes:
+            return client_request(path, raw, inspect(path, content_type, raw, self._rules))
+        precheck(path, content_type, raw, self._rules.max_bytes)  # a refusal that needs no worker
+        if self.waiting >= self._max_waiting:
+            raise PdError(Code.PD_OVERLOADED)
+        self.waiting += 1
+        self.offloaded += 1
+        pool = self._running_pool()
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(
+                pool, self._work, path, content_type, raw, self._rules)
+        except BrokenProcessPool:  # a worker died (killed, out of memory): a new pool for the next body
+            log.error("the body inspection pool broke; starting a new one")
+            if self._pool is pool:
+                self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise PdError(Code.INTERNAL_ERROR) from None
+        finally:
+            self.waiting -= 1
+        if isinstance(answer, Refusal):
+            raise answer.error()
+        return client_request(path, raw, answer)
+
+    def _running_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the pool's processes; a body still being inspected is abandoned (its stream is gone)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
