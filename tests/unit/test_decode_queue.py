@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
+from bench.prom_parse import vllm_like_page
 from extproc.adapters.base import QueueGauges
 from extproc.errors import Code, PdError
-from bench.prom_parse import vllm_like_page
 from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
 from extproc.upstream.prom_text import gauge_values, sample_values
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress, WorkerReply
