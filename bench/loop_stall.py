@@ -5,8 +5,9 @@
 The worst shape for the body's inspection is a valid chat request of tiny content parts
 (``{"type":"text","text":"x"}``, 1.2 million of them in 32 MiB): the parse and the member scan cost per
 object, not per byte. Part 1 times the inspection of such bodies inline (what holds the loop when it runs
-there). Part 2 runs the real server (grpc.aio, the emulated vLLM prefill worker, all in this process) and
-sends ``--small`` concurrent streams of small P/D requests while one worst-shaped body is inspected, once
+there). Part 2 runs the real server (grpc.aio, the emulated vLLM prefill worker and the small requests'
+client in this process; the big body's client in another) and sends ``--small`` concurrent streams of
+small P/D requests while one worst-shaped body is inspected, once
 per place the inspection can run: on the loop (as before), in a thread, in the worker-process pool (now).
 It reports the small requests' p50/p99 before and during the big one and the loop's largest lag.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -117,7 +119,17 @@ def in_the_pool(server: ExtProcServer) -> None:
     pass
 
 
-async def measure(variant: Variant, big: bytes, small_streams: int, baseline_seconds: float) -> dict[str, float]:
+async def send_big(address: str, target: str, size_mib: int) -> str:
+    """One worst-shape body, refused after the whole inspection (a reserved field): no prefill leg runs."""
+    import grpc
+
+    big = worst_shape_chat(size_mib << 20, b'"kv_transfer_params":{"x":1},')
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 128 << 20)]) as channel:
+        responses = await _exchange(pb_grpc.ExternalProcessorStub(channel), target, big)
+    return str(responses[-1].WhichOneof("response"))
+
+
+async def measure(variant: Variant, size_mib: int, small_streams: int, baseline_seconds: float) -> dict[str, float]:
     prefill = VllmEmulator("prefill", "m", "prefill", "127.0.0.1", 16, 30.0)
     port = await prefill.start("127.0.0.1", 0, 0)
     target = f"127.0.0.1:{port}"
@@ -142,9 +154,12 @@ async def measure(variant: Variant, big: bytes, small_streams: int, baseline_sec
             started = time.perf_counter()
             if phase == "before":
                 await asyncio.sleep(baseline_seconds)
-            else:  # refused after the whole inspection (a reserved field): no prefill leg for the big one
-                responses = await _exchange(stub, target, big)
-                assert responses[-1].WhichOneof("response") == "immediate_response"
+            else:  # sent by another process: building and sending 32 MiB is not the server's work
+                sender = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "bench.loop_stall", "--send-big", server.address, target,
+                    "--size-mib", str(size_mib), stdout=asyncio.subprocess.PIPE)
+                answer, _ = await sender.communicate()
+                assert answer.strip() == b"immediate_response", answer
                 result["big_ms"] = (time.perf_counter() - started) * 1e3
             stop.set()
             await asyncio.gather(*tasks, probe)
@@ -163,27 +178,48 @@ async def measure(variant: Variant, big: bytes, small_streams: int, baseline_sec
             await prefill.close()
 
 
+VARIANTS: tuple[tuple[str, Variant], ...] = (("on the loop (before)", on_the_loop), ("in a thread", in_a_thread),
+                                             ("in the process pool (now)", in_the_pool))
+
+
+def run_all(size_mib: int = 32, small_streams: int = 4, baseline_seconds: float = 3.0) -> dict[str, Any]:
+    """Both parts, JSON-ready (bench/run.py keeps it in results.json; ``render`` makes the tables)."""
+    inline = [{"body": "worst shape", "size_mib": mib, "ms": inline_ms(worst_shape_chat(mib << 20))}
+              for mib in sorted({1, 8, size_mib})]
+    inline.append({"body": "realistic (one long string)", "size_mib": size_mib,
+                   "ms": inline_ms(realistic_chat(size_mib << 20))})
+    variants = [{"name": name, **asyncio.run(measure(variant, size_mib, small_streams, baseline_seconds))}
+                for name, variant in VARIANTS]
+    return {"size_mib": size_mib, "small_streams": small_streams, "inline": inline, "variants": variants}
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    size = result["size_mib"]
+    lines = ["| body | size | inspection on the loop (ms) |", "|---|---|---|"]
+    lines += [f"| {row['body']} | {row['size_mib']} MiB | {row['ms']:.0f} |" for row in result["inline"]]
+    lines += ["", f"{result['small_streams']} streams of small P/D requests (in-process client) while one worst-shape "
+              f"{size} MiB body, sent by another process, is inspected and refused (a reserved field: no leg runs):",
+              "", "| inspection runs | big body answered (ms) | small p50 / p99 before (ms) "
+              "| small p50 / p99 during (ms) | p99 added (ms) | small requests during | largest loop lag during (ms) |",
+              "|---|---|---|---|---|---|---|"]
+    for r in result["variants"]:
+        lines.append(f"| {r['name']} | {r['big_ms']:.0f} | {r['before_p50']:.1f} / {r['before_p99']:.1f} | "
+                     f"{r['during_p50']:.1f} / {r['during_p99']:.1f} | {r['during_p99'] - r['before_p99']:.0f} | "
+                     f"{r['during_count']:.0f} | {r['during_max_lag']:.0f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.loop_stall", description=__doc__)
     parser.add_argument("--size-mib", type=int, default=32)
     parser.add_argument("--small", type=int, default=4, help="concurrent streams of small P/D requests")
     parser.add_argument("--baseline-seconds", type=float, default=3.0)
+    parser.add_argument("--send-big", nargs=2, metavar=("SERVER", "PREFILL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print("| body | size | inspection on the loop (ms) |\n|---|---|---|")
-    for mib in (1, 8, args.size_mib):
-        print(f"| worst shape | {mib} MiB | {inline_ms(worst_shape_chat(mib << 20)):.0f} |")
-    realistic = inline_ms(realistic_chat(args.size_mib << 20))
-    print(f"| realistic (one long string) | {args.size_mib} MiB | {realistic:.0f} |")
-    big = worst_shape_chat(args.size_mib << 20, b'"kv_transfer_params":{"x":1},')
-    print(f"\n{args.small} streams of small P/D requests; one worst-shape {args.size_mib} MiB body in the middle\n")
-    print("| inspection runs | big body answered (ms) | small p50 / p99 before (ms) | small p50 / p99 during (ms) "
-          "| p99 added (ms) | small requests during | largest loop lag during (ms) |\n|---|---|---|---|---|---|---|")
-    for name, variant in (("on the loop (before)", on_the_loop), ("in a thread", in_a_thread),
-                          ("in the process pool (now)", in_the_pool)):
-        r = asyncio.run(measure(variant, big, args.small, args.baseline_seconds))
-        print(f"| {name} | {r['big_ms']:.0f} | {r['before_p50']:.1f} / {r['before_p99']:.1f} | "
-              f"{r['during_p50']:.1f} / {r['during_p99']:.1f} | {r['during_p99'] - r['before_p99']:.0f} | "
-              f"{r['during_count']:.0f} | {r['during_max_lag']:.0f} |")
+    if args.send_big:
+        print(asyncio.run(send_big(*args.send_big, args.size_mib)))
+        return
+    print("\n".join(render(run_all(args.size_mib, args.small, args.baseline_seconds))))
 
 
 if __name__ == "__main__":
