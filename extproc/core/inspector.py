@@ -27,14 +27,18 @@ log = logging.getLogger("extproc.inspector")
 # tiny content parts, matched by jsonspan's one-regex fast path); 32 KiB of it costs 5 ms.
 INLINE_MAX_BYTES = 16 << 10
 
+# Worker processes per server process at most. Parsing 32 MiB of tiny content parts takes a worker about
+# 600 MiB (20x the body); the CPUs a container sees are often the node's, not its share.
+POOL_MAX = 2
+
 Work = Callable[[str, "str | None", bytes, Rules], "Inspected | Refusal"]
 
 
 def pool_size(max_inflight: int, processes: int = 1) -> int:
-    """Worker processes for one server process: no more than its share of the CPUs it may run on, and no
-    more than the requests it admits at once."""
+    """Worker processes for one server process: no more than its share of the CPUs it may run on, than the
+    requests it admits at once, or than POOL_MAX."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(max_inflight, cpus // max(1, processes)))
+    return max(1, min(max_inflight, cpus // max(1, processes), POOL_MAX))
 
 
 class Inspector:

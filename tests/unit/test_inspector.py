@@ -12,7 +12,7 @@ import pytest
 
 from extproc.core.fields import ReservedField
 from extproc.core.inspection import KEPT_VALUE_BYTES, Inspected, Refusal, Rules, inspect_answer
-from extproc.core.inspector import Inspector
+from extproc.core.inspector import POOL_MAX, Inspector, pool_size
 from extproc.core.openai_request import MAX_MEMBERS, ClientRequest
 from extproc.errors import Code, PdError
 from extproc.units import Address
@@ -139,3 +139,11 @@ def test_the_decode_name_is_resolved_by_the_loops_resolver_and_again_after_its_t
 def test_a_decode_ip_needs_no_resolution() -> None:
     target = DecodeTarget(Address("10.0.0.5", 8200))
     assert not target.is_name and target.current.ip == ipaddress.ip_address("10.0.0.5")
+
+
+def test_the_pool_is_bounded_by_the_cap_the_cpus_and_pool_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    assert pool_size(1024) == POOL_MAX  # a container that sees all of a big node's CPUs
+    assert pool_size(1) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert pool_size(1024, processes=2) == 1
