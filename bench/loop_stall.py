@@ -119,14 +119,19 @@ def in_the_pool(server: ExtProcServer) -> None:
     pass
 
 
-async def send_big(address: str, target: str, size_mib: int) -> str:
-    """One worst-shape body, refused after the whole inspection (a reserved field): no prefill leg runs."""
+async def send_big(address: str, target: str, size_mib: int) -> None:
+    """One worst-shape body, refused after the whole inspection (a reserved field): no prefill leg runs.
+    Says "ready" once built and connected, sends on a line from stdin, then prints the answer and its ms."""
     import grpc
 
     big = worst_shape_chat(size_mib << 20, b'"kv_transfer_params":{"x":1},')
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 128 << 20)]) as channel:
+        await channel.channel_ready()
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        started = time.perf_counter()
         responses = await _exchange(pb_grpc.ExternalProcessorStub(channel), target, big)
-    return str(responses[-1].WhichOneof("response"))
+    print(responses[-1].WhichOneof("response"), (time.perf_counter() - started) * 1e3, flush=True)
 
 
 async def measure(variant: Variant, size_mib: int, small_streams: int, baseline_seconds: float) -> dict[str, float]:
@@ -147,20 +152,24 @@ async def measure(variant: Variant, size_mib: int, small_streams: int, baseline_
         # Warm the pool (its processes start on the first large body) with a refused medium body.
         await _exchange(stub, target, worst_shape_chat(64 << 10, b'"kv_transfer_params":{"x":1},'))
         result: dict[str, float] = {}
+        # The big body's sender: another process (building and sending 32 MiB is not the server's work).
+        sender = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.loop_stall", "--send-big", server.address, target,
+            "--size-mib", str(size_mib), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert sender.stdin is not None and sender.stdout is not None
+        assert (await sender.stdout.readline()).strip() == b"ready"
         for phase in ("before", "during"):
             stop, lags, latencies = asyncio.Event(), [], []  # type: ignore[var-annotated]
             tasks = [asyncio.create_task(_small_load(stub, target, stop, latencies)) for _ in range(small_streams)]
             probe = asyncio.create_task(_lag_probe(stop, lags))
-            started = time.perf_counter()
             if phase == "before":
                 await asyncio.sleep(baseline_seconds)
-            else:  # sent by another process: building and sending 32 MiB is not the server's work
-                sender = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "bench.loop_stall", "--send-big", server.address, target,
-                    "--size-mib", str(size_mib), stdout=asyncio.subprocess.PIPE)
+            else:
+                sender.stdin.write(b"go\n")
                 answer, _ = await sender.communicate()
-                assert answer.strip() == b"immediate_response", answer
-                result["big_ms"] = (time.perf_counter() - started) * 1e3
+                kind, big_ms = answer.split()
+                assert kind == b"immediate_response", answer
+                result["big_ms"] = float(big_ms)
             stop.set()
             await asyncio.gather(*tasks, probe)
             result[f"{phase}_p50"] = _percentile(latencies, 0.5)
@@ -217,7 +226,7 @@ def main() -> None:
     parser.add_argument("--send-big", nargs=2, metavar=("SERVER", "PREFILL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.send_big:
-        print(asyncio.run(send_big(*args.send_big, args.size_mib)))
+        asyncio.run(send_big(*args.send_big, args.size_mib))
         return
     print("\n".join(render(run_all(args.size_mib, args.small, args.baseline_seconds))))
 

@@ -103,7 +103,7 @@ _writer: LineWriter | None = None
 
 
 def info(logger: logging.Logger, msg: str, fields: Mapping[str, Any]) -> None:
-    """``logger.info(msg, extra=fields)``, for the one line per request: the same JSON line, written
+    """``logger.info(msg, extra=fields)``, for the one line per request: the same JSON line, queued
     without a LogRecord, a caller lookup or a formatter pass when logging is as ``configure`` left it
     (one JsonFormatter handler on the root logger, nothing else in the way). Any other set-up (a test's
     capture handler, a filter) gets the ordinary call."""
@@ -119,7 +119,7 @@ def info(logger: logging.Logger, msg: str, fields: Mapping[str, Any]) -> None:
 
 
 def _direct_handler(logger: logging.Logger) -> LineQueueHandler | None:
-    """The root's JSON stream handler when it is the only place ``logger``'s records go, unfiltered."""
+    """The root's JSON line queue when it is the only place ``logger``'s records go, unfiltered."""
     root = logging.getLogger()
     current: logging.Logger | None = logger
     while current is not None and current is not root:
