@@ -116,7 +116,6 @@ class PdProcessor:
     ) -> None:
         self._adapter = adapter
         self._transport = transport
-        self._max_request_bytes = max_request_bytes
         self._admission = admission
         self._metrics = metrics
         self._background = background
