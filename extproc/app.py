@@ -150,6 +150,7 @@ class ExtProcServer:
         self.metrics.admitted.set_function(lambda: self.admission.inflight)
         self.metrics.background_prefills.set_function(lambda: len(self.background))
         self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
+        self.metrics.inspections_waiting.set_function(lambda: self.processor.inspector.waiting)
         self.metrics.prefill_idle_connections.set_function(self.prefill.idle_connections)
         self.health = HealthServicer()
         self.http = HttpServer(self._http)

@@ -140,3 +140,28 @@ def test_a_body_gets_the_same_answer_on_either_side_of_the_inline_limit(size: in
         assert h.server.processor.inspector.offloaded == (1 if size > 16 << 10 else 0) * 2
 
     run(test)
+
+
+def test_the_waiting_gauge_counts_a_held_inspection(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+
+    def waiting(h: Harness) -> float:
+        return float(next(line.split()[1] for line in h.server.metrics.exposition().decode().splitlines()
+                          if line.startswith("pd_extproc_body_inspections_waiting ")))
+
+    async def test(h: Harness) -> None:
+        rules = h.server.processor.inspector._rules
+        h.server.processor.inspector = inspector = Inspector(rules, work=functools.partial(gated_inspect, str(gate)))
+        try:
+            assert waiting(h) == 0
+            held = asyncio.create_task(inspector.inspect(CHAT, "application/json", worst_shape_chat(64 << 10)))
+            await asyncio.sleep(0)  # one step of the task: up to its wait for the pool
+            assert waiting(h) == 1
+            await asyncio.to_thread(lambda: open(gate, "wb").close())
+            await held
+            assert waiting(h) == 0
+        finally:
+            inspector.close()
+
+    run(test)
