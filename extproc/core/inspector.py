@@ -1,6 +1,6 @@
 """Where the client's body is inspected: on the event loop when it is small, in a pool of worker
-processes when it is large, so one body of any shape never holds the loop (health checks, other
-streams) for longer than a small one does.
+processes when it is large. What a large body then costs the loop (health checks, other streams) is
+copying its bytes to a worker, the same for any shape; its parse costs a worker.
 
 A thread would not do: orjson and the member scanner hold the GIL for the whole parse (a 32 MiB body of
 1.2 million tiny content parts takes seconds). docs/decisions.md has the measurements. The pool's
