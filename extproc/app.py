@@ -195,6 +195,7 @@ class ExtProcServer:
             await self.decode.start()  # a name: resolved off the loop, then again every RESOLVE_TTL seconds
         except Unresolvable as exc:
             raise ConfigError(str(exc)) from None
+        self.processor.inspector.start()
         listen = self.settings.metrics_listen
         try:
             if self.role is not None:

@@ -81,6 +81,11 @@ class Inspector:
             raise answer.error()
         return client_request(path, raw, answer)
 
+    def start(self) -> None:
+        """Make the pool now (its queues and locks; no process yet), so a host that cannot give a process
+        pool its semaphores (no /dev/shm) fails at startup, not on the first large body."""
+        self._running_pool()
+
     def _running_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
