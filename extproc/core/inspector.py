@@ -10,12 +10,14 @@ processes start on the first large body and are spawned (not forked: the server 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
 
 from extproc.core.inspection import Inspected, Refusal, Rules, client_request, inspect, inspect_answer
 from extproc.core.openai_request import ClientRequest, precheck
@@ -31,6 +33,7 @@ INLINE_MAX_BYTES = 16 << 10
 # 600 MiB (20x the body); the CPUs a container sees are often the node's, not its share.
 POOL_MAX = 2
 
+T = TypeVar("T")
 Work = Callable[[str, "str | None", bytes, Rules], "Inspected | Refusal"]
 
 
@@ -61,14 +64,26 @@ class Inspector:
         if len(raw) <= self._inline_max_bytes:
             return client_request(path, raw, inspect(path, content_type, raw, self._rules))
         precheck(path, content_type, raw, self._rules.max_bytes)  # a refusal that needs no worker
+        answer = await self._in_pool(functools.partial(self._work, path, content_type, raw, self._rules))
+        if isinstance(answer, Refusal):
+            raise answer.error()
+        return client_request(path, raw, answer)
+
+    async def check(self, work: Callable[[bytes], Refusal | None], raw: bytes) -> Refusal | None:
+        """Another pure check of a body (a module-level function, so a worker can run it), where
+        ``inspect`` would run it: on the loop when the body is small, else in the pool, bounded alike."""
+        if len(raw) <= self._inline_max_bytes:
+            return work(raw)
+        return await self._in_pool(functools.partial(work, raw))
+
+    async def _in_pool(self, call: Callable[[], T]) -> T:
         if self.waiting >= self._max_waiting:
             raise PdError(Code.PD_OVERLOADED)
         self.waiting += 1
         self.offloaded += 1
         pool = self._running_pool()
         try:
-            answer = await asyncio.get_running_loop().run_in_executor(
-                pool, self._work, path, content_type, raw, self._rules)
+            return await asyncio.get_running_loop().run_in_executor(pool, call)
         except BrokenProcessPool:  # a worker died (killed, out of memory): a new pool for the next body
             log.error("the body inspection pool broke; starting a new one")
             if self._pool is pool:
@@ -77,9 +92,6 @@ class Inspector:
             raise PdError(Code.INTERNAL_ERROR) from None
         finally:
             self.waiting -= 1
-        if isinstance(answer, Refusal):
-            raise answer.error()
-        return client_request(path, raw, answer)
 
     def start(self) -> None:
         """Make the pool now (its queues and locks; no process yet), so a host that cannot give a process

@@ -165,3 +165,19 @@ def test_the_waiting_gauge_counts_a_held_inspection(tmp_path: Path) -> None:
             inspector.close()
 
     run(test)
+
+
+def test_gateway_mode_checks_a_large_tagged_body_in_the_pool() -> None:
+    """A tagged request that is not P/D: its body's steering check runs where the P/D inspection would,
+    with the same answers (a large body: in a worker process)."""
+    async def test(h: Harness) -> None:
+        extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
+        steering = worst_shape_chat(64 << 10, b'"kv_transfer_params":{"remote_host":"10.0.0.9"},')
+        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(steering))
+        assert error_of(responses[1]) == (400, "reserved_request_field")
+        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(worst_shape_chat(64 << 10)))
+        assert responses[1].WhichOneof("response") == "request_body"
+        assert h.server.processor.inspector.offloaded == 2
+        assert h.prefill.control.records == []
+
+    run(test, PD_EXTPROC_MODE="gateway")
