@@ -209,6 +209,8 @@ class Engine:
     decode_wait: Callable[[Options], float] = no_decode_wait
     # The decode worker's waiting-request gauges, for PD_EXTPROC_DECODE_QUEUE_LIMIT (None: not offered).
     decode_queue: QueueGauges | None = None
+    # The endpoints its adapter serves P/D (the adapter class's ``endpoints``): the routes take these paths.
+    endpoints: frozenset[Endpoint] = OPENAI_ENDPOINTS
     # Why the engine's decode worker cannot serve a request whole, if it cannot (PD_EXTPROC_PREFILL_FALLBACK).
     no_fallback: str = ""
     summary: str = ""  # one line for the README's engine table and --help

@@ -173,6 +173,7 @@ def build(protocol: str, options: Options) -> VllmNixlAdapter:
 
 ENGINE = Engine(
     name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    endpoints=VllmNixlAdapter.endpoints,
     # vllm/v1/metrics/loggers.py, PrometheusStatLogger: "Number of requests waiting to be processed."
     decode_queue=QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
     emulator="pd_extproc_lab.emulator.vllm:VllmEmulator",

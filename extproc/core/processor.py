@@ -132,6 +132,8 @@ class PdProcessor:
         self._own_fields = frozenset(field.name for field in adapter.reserved_fields)
         self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
         self._stripped_sorted = tuple(sorted(self._stripped_headers))
+        # The paths the adapter serves P/D (gateway mode passes every other request through).
+        self.pd_paths = frozenset(endpoint.value for endpoint in adapter.endpoints)
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
     # --- the two ext_proc phases -------------------------------------------------------------------

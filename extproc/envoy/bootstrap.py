@@ -1,6 +1,6 @@
 """Renders the Envoy bootstrap from Settings: one source of truth for ports, timeouts and limits.
 
-Route "pd" (POST /v1/chat/completions or /v1/completions carrying x-prefiller-host-port) runs
+Route "pd" (POST to a path the adapter serves P/D, envoy/pd_paths.py, carrying x-prefiller-host-port) runs
 ext_proc; every other request takes route "passthrough", where our server is never called. The ext_proc
 filter is disabled by default in the connection manager and enabled by the pd route alone, so Envoy does
 not even build the filter for a passthrough request (a route that disables it with ExtProcPerRoute would
@@ -19,6 +19,7 @@ from extproc.adapters.base import Flow
 from extproc.config import Settings
 from extproc.core.headers import PICKER_HEADERS
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.envoy import pd_paths
 from extproc.envoy.guard import LUA_RESPONSE_DETAILS, disabled_on_route, guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
 from extproc.errors import SPEC, Code
@@ -31,7 +32,6 @@ STATS_PATH = "/stats/prometheus"
 FALLBACK_HEADER = "x-pd-fallback"
 DECODE_CLUSTER = "decode"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
-PD_PATH_REGEX = "/v1/(chat/)?completions"
 
 _TYPE = "@type"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -197,7 +197,7 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
     pd_route = {
         "name": "pd",
         "match": {
-            "safe_regex": {"regex": PD_PATH_REGEX},
+            "safe_regex": {"regex": pd_paths.path_regex(pd_paths.served(settings.adapter))},
             "headers": [
                 {"name": ":method", "string_match": {"exact": "POST"}},
                 {"name": PREFILL_TARGET_HEADER, "present_match": True},

@@ -10,7 +10,7 @@ the header; it lets through, after their headers message, those that are not P/D
 gateway runs the filter without the matcher, every request without the header): the reply to the
 headers turns off the rest of the stream (``mode_override``: no body, no response headers), and Envoy
 closes the stream after it. A P/D request is one the sidecar's pd route would match: POST to
-/v1/chat/completions or /v1/completions carrying the picker's x-prefiller-host-port.
+a path the adapter serves P/D (envoy/pd_paths.py) carrying the picker's x-prefiller-host-port.
 
 Envoy honours ``mode_override`` only with ``allow_mode_override`` in the filter, only on a headers
 reply, and only when the filter's configured body modes are not FULL_DUPLEX_STREAMED
@@ -22,18 +22,17 @@ other override is ever applied.
 
 from __future__ import annotations
 
-import re
-
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.core.headers import PICKER_HEADERS
+from extproc.core.openai_request import OPENAI_ENDPOINTS
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.messages import RequestHead
 
-# The sidecar's pd route matches the same paths (envoy/bootstrap.py PD_PATH_REGEX, a full match on the path
-# without its query).
-PD_PATH = re.compile(r"/v1/(chat/)?completions")
+# The sidecar's pd route matches the same paths (envoy/pd_paths.py, a full match on the path without its
+# query); the processor passes the adapter's (PdProcessor.pd_paths).
+OPENAI_PATHS = frozenset(endpoint.value for endpoint in OPENAI_ENDPOINTS)
 
 _Mode = processing_mode_pb2.ProcessingMode
 PASSTHROUGH_MODE = _Mode(
@@ -46,11 +45,11 @@ PASSTHROUGH_MODE = _Mode(
 )
 
 
-def is_pd_request(head: RequestHead) -> bool:
+def is_pd_request(head: RequestHead, paths: frozenset[str] = OPENAI_PATHS) -> bool:
     """A request the sidecar's pd route would take: POST, a P/D path, the picker's prefill header (any
     value: a bad one is refused later with invalid_prefill_target, exactly as in sidecar mode)."""
     path = head.path.split("?", 1)[0]
-    return (head.first(":method") == "POST" and PD_PATH.fullmatch(path) is not None
+    return (head.first(":method") == "POST" and path in paths
             and PREFILL_TARGET_HEADER in (name for name, _ in head.headers))
 
 

@@ -95,7 +95,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
         stream.head = msg.head_from_headers(headers)
-        if self._passthrough is not None and not gateway.is_pd_request(stream.head):
+        if self._passthrough is not None and not gateway.is_pd_request(stream.head, self._processor.pd_paths):
             self._passthrough()
             return gateway.passthrough(), True
         outcome = await self._processor.on_headers(stream.head)

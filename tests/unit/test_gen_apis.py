@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import pytest
 
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_body
+from extproc.config import load_settings
 from extproc.core.openai_request import Endpoint, parse_client_request
 from extproc.core.processor import Pending
+from extproc.envoy import gateway
+from extproc.envoy.bootstrap import render
 from extproc.errors import Code, PdError
 from extproc.upstream.transport import WorkerReply
+from tests.unit.test_envoy_config import _hcm
 from tests.unit.test_processor import DECODE, HANDOFF, head, ok, rig
 
 PRODUCER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -207,3 +212,28 @@ def test_an_adapter_without_the_new_apis_refuses_them_before_any_leg() -> None:
     r, response = run(SglangAdapter(), "/v1/messages", MESSAGES)
     assert r.transport.calls == []
     assert json.loads(response.immediate_response.body)["error"]["type"] == "not_found_error"
+
+
+# --- the routes -------------------------------------------------------------------------------------
+
+def _pd_regex(adapter: str) -> str:
+    routes = _hcm(render(load_settings({"PD_EXTPROC_ADAPTER": adapter}, {})))["route_config"]["virtual_hosts"][0]
+    (pd,) = [route for route in routes["routes"] if route["name"] == "pd"]
+    regex: str = pd["match"]["safe_regex"]["regex"]
+    return regex
+
+
+@pytest.mark.parametrize(("adapter", "served"), [
+    ("vllm_nixl", {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                   "/inference/v1/generate"}),
+    ("sglang", {"/v1/chat/completions", "/v1/completions"}),
+])
+def test_the_pd_route_and_the_gateway_take_exactly_the_paths_the_adapter_serves(adapter: str,
+                                                                                  served: set[str]) -> None:
+    regex = re.compile(_pd_regex(adapter))  # Envoy's safe_regex is a full match on the path without its query
+    candidates = served | {"/v1/messages/count_tokens", "/v1/responses/resp_1", "/generate", "/v1/embeddings",
+                           "/v1/messages", "/inference/v1/generate"}
+    assert {path for path in candidates if regex.fullmatch(path)} == served
+    gateway_paths = rig(VllmNixlAdapter() if adapter == "vllm_nixl" else SglangAdapter()).processor.pd_paths
+    posted = {path: head(path, **{":method": "POST"}) for path in candidates}
+    assert {path for path, posted_head in posted.items() if gateway.is_pd_request(posted_head, gateway_paths)} == served
