@@ -200,6 +200,9 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "PYTHONFAULTHANDLER": "1",  # a crash in a kernel shows up in the log with a stack
+        # Responses are stored where they run (openai/responses/serving.py enable_store): the stage checks
+        # that a P/D request's prefill leg stores none.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(WORKER_SITE_DIR), os.environ.get("PYTHONPATH", "")) if p),
         PROGRESS_DELAY_ENV: str(NIXL_PROGRESS_DELAY_US),
     }
