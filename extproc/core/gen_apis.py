@@ -1,5 +1,6 @@
 """Request checks for the generation APIs beyond OpenAI chat and completions: the Anthropic Messages API
-(/v1/messages), the OpenAI Responses API (/v1/responses) and vLLM's token-in /inference/v1/generate. Pure.
+(/v1/messages), the OpenAI Responses API (/v1/responses), vLLM's token-in /inference/v1/generate and
+SGLang's native /generate. Pure.
 
 Each check raises invalid_request_field for a field P/D depends on that has the wrong type (both legs
 would otherwise fail, one after the other) and returns the field that selects a variant P/D cannot
@@ -85,6 +86,37 @@ def check_generate(body: dict[str, Any]) -> str | None:
     if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):
         raise PdError(Code.INVALID_REQUEST_FIELD, field="sampling_params.max_tokens")
     n = params.get("n")
+    if n is not None and not (is_int(n) and n == 1):
+        return "sampling_params.n"
+    return None
+
+
+def check_sglang_generate(body: dict[str, Any]) -> str | None:
+    """SGLang srt/managers/io_struct.py GenerateReqInput (its contract: sglang/api/v1/api_types.py
+    GenerateRequest): one prompt as ``text`` (a string) or ``input_ids`` (token ids). A batch (a list
+    of texts, of id lists, of sampling params) and ``n`` other than 1 are several requests
+    (_determine_batch_size, parallel_sample_num), which one bootstrap room cannot serve; so are
+    ``input_embeds`` prompts, whose batch shape we do not read."""
+    if body.get("input_embeds") is not None:
+        return "input_embeds"
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is not None:
+        if isinstance(text, list):
+            return "text"
+        if not isinstance(text, str) or input_ids is not None:
+            raise PdError(Code.INVALID_REQUEST_FIELD, field="text")
+    elif isinstance(input_ids, list) and input_ids and not set(map(type, input_ids)) <= _INT_ONLY:
+        if all(isinstance(ids, list) for ids in input_ids):
+            return "input_ids"
+        raise PdError(Code.INVALID_REQUEST_FIELD, field="input_ids")
+    elif not (isinstance(input_ids, list) and input_ids):
+        raise PdError(Code.INVALID_REQUEST_FIELD, field="input_ids")
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        return "sampling_params"
+    if params is not None and not isinstance(params, dict):
+        raise PdError(Code.INVALID_REQUEST_FIELD, field="sampling_params")
+    n = (params or {}).get("n")
     if n is not None and not (is_int(n) and n == 1):
         return "sampling_params.n"
     return None

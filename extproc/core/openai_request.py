@@ -23,6 +23,7 @@ class Endpoint(StrEnum):
     MESSAGES = "/v1/messages"  # Anthropic Messages API (vLLM)
     RESPONSES = "/v1/responses"  # OpenAI Responses API (vLLM)
     GENERATE = "/inference/v1/generate"  # vLLM's token-in generate API
+    SGLANG_GENERATE = "/generate"  # SGLang's native generate API
 
     @property
     def api(self) -> str:
@@ -31,7 +32,8 @@ class Endpoint(StrEnum):
 
 
 _API_NAMES = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "completions", Endpoint.MESSAGES: "messages",
-              Endpoint.RESPONSES: "responses", Endpoint.GENERATE: "generate"}
+              Endpoint.RESPONSES: "responses", Endpoint.GENERATE: "generate",
+              Endpoint.SGLANG_GENERATE: "sglang_generate"}
 # The endpoints every engine serves P/D; an adapter that serves more lists them (its ``endpoints``).
 OPENAI_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
@@ -133,7 +135,7 @@ def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
 
 
 _OTHER_APIS = {Endpoint.MESSAGES: gen_apis.check_messages, Endpoint.RESPONSES: gen_apis.check_responses,
-               Endpoint.GENERATE: gen_apis.check_generate}
+               Endpoint.GENERATE: gen_apis.check_generate, Endpoint.SGLANG_GENERATE: gen_apis.check_sglang_generate}
 _INT_ONLY = frozenset({int})
 
 

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
-from extproc.adapters.sglang import SglangAdapter
+from extproc.adapters.base import PlanInput
+from extproc.adapters.sglang import SglangAdapter, check_prefill_reply
 from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_body
 from extproc.config import load_settings
 from extproc.core.openai_request import Endpoint, parse_client_request
+from extproc.core.prefill_target import parse_prefill_target
 from extproc.core.processor import Pending
 from extproc.envoy import gateway
 from extproc.envoy.bootstrap import render
@@ -135,11 +137,11 @@ def test_a_duplicate_key_inside_sampling_params_is_refused_not_guessed() -> None
 
 
 def test_the_new_paths_are_not_served_unless_the_adapter_lists_them() -> None:
-    for path in ("/v1/messages", "/v1/responses", "/inference/v1/generate", "/generate"):
+    for path in ("/v1/messages", "/v1/responses", "/inference/v1/generate", "/generate", "/v1/messages/count_tokens"):
         with pytest.raises(PdError) as caught:
             parse_client_request(path, "application/json", b'{"messages": [{}], "max_tokens": 1}', 1 << 20)
         assert caught.value.code is Code.UNSUPPORTED_ENDPOINT
-    assert Endpoint.MESSAGES not in SglangAdapter.endpoints
+    assert Endpoint.MESSAGES not in SglangAdapter.endpoints and Endpoint.SGLANG_GENERATE not in VLLM_ENDPOINTS
 
 
 # --- through the processor --------------------------------------------------------------------------
@@ -226,7 +228,7 @@ def _pd_regex(adapter: str) -> str:
 @pytest.mark.parametrize(("adapter", "served"), [
     ("vllm_nixl", {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                    "/inference/v1/generate"}),
-    ("sglang", {"/v1/chat/completions", "/v1/completions"}),
+    ("sglang", {"/v1/chat/completions", "/v1/completions", "/generate"}),
 ])
 def test_the_pd_route_and_the_gateway_take_exactly_the_paths_the_adapter_serves(adapter: str,
                                                                                   served: set[str]) -> None:
@@ -237,3 +239,58 @@ def test_the_pd_route_and_the_gateway_take_exactly_the_paths_the_adapter_serves(
     gateway_paths = rig(VllmNixlAdapter() if adapter == "vllm_nixl" else SglangAdapter()).processor.pd_paths
     posted = {path: head(path, **{":method": "POST"}) for path in candidates}
     assert {path for path, posted_head in posted.items() if gateway.is_pd_request(posted_head, gateway_paths)} == served
+
+
+# --- SGLang's native /generate ------------------------------------------------------------------------
+
+def sglang_request(body: dict[str, Any]) -> Any:
+    return parse_client_request("/generate", "application/json", json.dumps(body).encode(), 1 << 20,
+                                served=SglangAdapter.endpoints)
+
+
+@pytest.mark.parametrize(("body", "code", "field"), [
+    ({"text": ["a", "b"]}, Code.UNSUPPORTED_PD_VARIANT, "text"),
+    ({"input_ids": [[1, 2], [3]]}, Code.UNSUPPORTED_PD_VARIANT, "input_ids"),
+    ({"text": "a", "sampling_params": [{}, {}]}, Code.UNSUPPORTED_PD_VARIANT, "sampling_params"),
+    ({"text": "a", "sampling_params": {"n": 2}}, Code.UNSUPPORTED_PD_VARIANT, "sampling_params.n"),
+    ({"input_embeds": [[0.1]]}, Code.UNSUPPORTED_PD_VARIANT, "input_embeds"),
+    ({"text": 3}, Code.INVALID_REQUEST_FIELD, "text"),
+    ({"text": "a", "input_ids": [1]}, Code.INVALID_REQUEST_FIELD, "text"),
+    ({}, Code.INVALID_REQUEST_FIELD, "input_ids"),
+    ({"input_ids": [1, "x"]}, Code.INVALID_REQUEST_FIELD, "input_ids"),
+    ({"text": "a", "sampling_params": "x"}, Code.INVALID_REQUEST_FIELD, "sampling_params"),
+])
+def test_sglang_generate_is_one_prompt_one_answer(body: dict[str, Any], code: Code, field: str) -> None:
+    with pytest.raises(PdError) as caught:
+        sglang_request(body)
+    assert (caught.value.code, caught.value.field) == (code, field)
+
+
+def test_sglang_generate_legs_carry_the_bootstrap_fields_top_level() -> None:
+    client = {"text": "The KV cache is", "sampling_params": {"max_new_tokens": 8}, "stream": True}
+    plan = SglangAdapter(bootstrap_port=8998).plan(sglang_request(client), PlanInput(
+        parse_prefill_target(["10.0.0.7:30000"]), nonce=5))
+    prefill, decode = json.loads(plan.prefill_body), json.loads(plan.decode.body)
+    bootstrap = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998, "bootstrap_room": 6,
+                 "rid": "pd-0000000000000005"}
+    assert prefill == {**client, "stream": False, **bootstrap}
+    assert decode == {**client, **bootstrap}
+
+
+@pytest.mark.parametrize(("reply", "field"), [
+    ({"text": "", "meta_info": {"finish_reason": {"type": "abort", "message": "x"}}}, "meta_info.finish_reason"),
+    ({"text": "", "meta_info": 3}, "meta_info"),
+])
+def test_an_aborted_sglang_generate_prefill_is_a_failure(reply: dict[str, Any], field: str) -> None:
+    with pytest.raises(PdError) as caught:
+        check_prefill_reply(WorkerReply(200, "application/json", json.dumps(reply).encode()))
+    assert (caught.value.code, caught.value.field) == (Code.INVALID_PREFILL_HANDOFF, field)
+
+
+def test_a_finished_sglang_generate_prefill_passes_and_a_repeated_type_is_refused() -> None:
+    check_prefill_reply(WorkerReply(200, "application/json",
+                                    b'{"text": "x", "meta_info": {"finish_reason": {"type": "length", "length": 1}}}'))
+    with pytest.raises(PdError) as caught:
+        check_prefill_reply(WorkerReply(200, "application/json", b'{"text": "x", "meta_info": {"finish_reason": '
+                                                                 b'{"type": "length", "type": "abort"}}}'))
+    assert caught.value.field == "meta_info.finish_reason"
