@@ -17,7 +17,7 @@ from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_bod
 from extproc.config import load_settings
 from extproc.core.openai_request import Endpoint, parse_client_request
 from extproc.core.prefill_target import parse_prefill_target
-from extproc.core.processor import Pending
+from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy.bootstrap import render
 from extproc.errors import Code, PdError
@@ -294,3 +294,23 @@ def test_a_finished_sglang_generate_prefill_passes_and_a_repeated_type_is_refuse
         check_prefill_reply(WorkerReply(200, "application/json", b'{"text": "x", "meta_info": {"finish_reason": '
                                                                  b'{"type": "length", "type": "abort"}}}'))
     assert caught.value.field == "meta_info.finish_reason"
+
+
+def test_a_responses_variant_kept_on_one_worker_is_served_whole_with_the_setting() -> None:
+    """PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated: a previous_response_id request goes to decode exactly as
+    sent (the worker that stored the earlier response is the one that serves it), no prefill leg."""
+    r = rig(VllmNixlAdapter())
+    processor = PdProcessor(VllmNixlAdapter(), r.transport, max_request_bytes=1 << 20, admission=r.admission,
+                            metrics=r.metrics, background=r.background, decode=DECODE, serve_unsupported=True)
+    raw = b'{"input": "x", "previous_response_id": "resp_1",  "store": true}'
+    request_head = head("/v1/responses")
+
+    async def both_phases() -> Any:
+        pending = await processor.on_headers(request_head)
+        assert isinstance(pending, Pending)
+        return await processor.on_body(request_head, pending, raw)
+
+    response = asyncio.run(both_phases()).response
+    assert r.transport.calls == []
+    assert response.request_body.response.body_mutation.body == raw
+    assert api_counts(r) == {("responses", "prefill_fallback"): 1.0}
