@@ -216,6 +216,9 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         # asked the kernel for AMX tile permission). float32 uses the AVX-512/AVX2 kernel everywhere.
         "--dtype", "float32",
         "--kv-transfer-config", json.dumps(kv_config),
+        # /inference/v1/generate is served only with it (entrypoints/scale_out/factories.py
+        # register_scale_out_api_routers: 403 PermissionDeniedError otherwise).
+        "--enable-scale-out",
     ]
     child = process.Child(name, argv, env, log_dir)
     child.start()
