@@ -282,3 +282,19 @@ def test_the_picker_down_is_a_gateway_error_with_its_status_never_pd_extproc_una
         stack.replicas[0].child.stop(sig=signal.SIGKILL)
         assert_error(post(stack, CHAT, chat_body(max_tokens=2)), 500, "gateway_error")
         assert_nothing_reached_an_engine(stack)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"model": "emulated", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "emulated", "input": "hi", "max_output_tokens": 4}),
+], ids=["messages", "responses"])
+def test_the_other_generation_apis_are_pd_in_gateway_mode_too(gw: GatewayStack, path: str,
+                                                               body: dict[str, Any]) -> None:
+    gw.pick(DECODES[0])
+    response = post(gw, path, body)
+    assert response.status_code == 200, response.text
+    prefill, decoded = only(gw.prefill.requests()), only(gw.decode(DECODES[0]).requests())
+    assert prefill["target"] == decoded["target"] == path
+    assert prefill["json"]["stream"] is False
+    assert decoded["json"] == {**body, "kv_transfer_params": prefill["notes"]["kv_transfer_params"]}
+    assert decoded["notes"]["load"] == "ok"
