@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -314,3 +315,13 @@ def test_a_responses_variant_kept_on_one_worker_is_served_whole_with_the_setting
     assert r.transport.calls == []
     assert response.request_body.response.body_mutation.body == raw
     assert api_counts(r) == {("responses", "prefill_fallback"): 1.0}
+
+
+@pytest.mark.parametrize("marker", ["vllm-messages", "vllm-responses", "vllm-generate"])
+def test_the_protocol_examples_are_what_the_adapter_derives(marker: str) -> None:
+    """PROTOCOL.md §4.4's examples: the prefill leg body is exactly prefill_body(client body)."""
+    doc = (Path(__file__).parents[2] / "PROTOCOL.md").read_text()
+    block = doc.split(f"<!-- example: {marker} -->\n", 1)[1]
+    path = block.split("`", 2)[1]
+    client, derived = re.findall(r"```json\n(.*?)\n```", block, re.S)[:2]
+    assert prefill_body(request(path, client.encode())).decode() == derived
