@@ -148,17 +148,30 @@ class Responses(Api):
         return int(value) if isinstance(value, int) else DEFAULT_MAX_TOKENS
 
     def full(self, model: str, tokens: list[str], prompt_tokens: int, body: dict[str, Any]) -> dict[str, Any]:
-        # protocol.py ResponsesResponse.from_request; a cap reached is status "incomplete".
-        return {"id": "resp_" + secrets.token_hex(12), "created_at": int(time.time()), "object": "response",
-                "model": model, "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
-                "output": [{"id": "msg_" + secrets.token_hex(8), "type": "message", "role": "assistant",
-                            "status": "completed", "content": [{"type": "output_text", "text": "".join(tokens),
-                                                                "annotations": [], "logprobs": None}]}],
-                "background": bool(body.get("background")), "store": body.get("store", True) is not False,
-                "max_output_tokens": self.max_tokens(body),
-                "previous_response_id": body.get("previous_response_id"),
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": len(tokens),
-                          "total_tokens": prompt_tokens + len(tokens)}}
+        # protocol.py ResponsesResponse.from_request (model_dump by alias, nulls kept; no ``store`` member);
+        # a cap reached is status "incomplete". Usage as serving.py responses_full_generator (ResponseUsage
+        # with per-turn lists, empty for one turn without tools).
+        return {"id": str(body.get("request_id") or "resp_" + secrets.token_hex(12)), "created_at": int(time.time()),
+                "incomplete_details": {"reason": "max_output_tokens"}, "instructions": body.get("instructions"),
+                "metadata": None, "model": model, "object": "response",
+                "output": [{"id": "msg_" + secrets.token_hex(8), "content": [
+                    {"annotations": [], "text": "".join(tokens), "type": "output_text", "logprobs": None}],
+                    "role": "assistant", "status": "completed", "type": "message", "phase": None}],
+                "parallel_tool_calls": True, "temperature": float(body.get("temperature", 1.0) or 0.0),
+                "tool_choice": "auto", "tools": [], "top_p": 1.0, "background": bool(body.get("background")),
+                "max_output_tokens": self.max_tokens(body), "max_tool_calls": None,
+                "previous_response_id": body.get("previous_response_id"), "prompt": None, "reasoning": None,
+                "service_tier": "auto", "status": "incomplete", "text": None, "top_logprobs": None,
+                "truncation": "disabled", "usage": {
+                    "input_tokens": prompt_tokens,
+                    "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                             "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                    "output_tokens": len(tokens),
+                    "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                              "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+                    "total_tokens": prompt_tokens + len(tokens)},
+                "user": None, "input_messages": None, "output_messages": None, "frequency_penalty": 0.0,
+                "presence_penalty": 0.0, "kv_transfer_params": None, "ec_transfer_params": None}
 
     def stream(self, model: str, tokens: list[str], prompt_tokens: int, body: dict[str, Any]) -> list[bytes]:
         # serving.py responses_stream_generator (simple context): created, in_progress, the item and its
@@ -212,13 +225,20 @@ class Generate(Api):
         return int(value) if isinstance(value, int) else DEFAULT_MAX_TOKENS
 
     def full(self, model: str, tokens: list[str], prompt_tokens: int, body: dict[str, Any]) -> dict[str, Any]:
+        # serving.py serve_tokens_full_generator: every member dumped, nulls kept; weight_versions spans
+        # the whole output (GenerateChoiceBase).
         return {"request_id": str(body.get("request_id") or secrets.token_hex(16)), "model": model,
-                "created": int(time.time()), "output_mode": "tokens",
-                "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "logprobs": None,
-                             "token_ids": [token_id(token) for token in tokens]}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                          "total_tokens": prompt_tokens + len(tokens)},
-                "prompt_token_ids": None, "kv_transfer_params": None}
+                "created": int(time.time()),
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(tokens),
+                          "completion_tokens": len(tokens), "prompt_tokens_details": None,
+                          "completion_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None,
+                "mm_placeholders": None, "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                "output_mode": "tokens",
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                             "token_ids": [token_id(token) for token in tokens], "routed_experts": None,
+                             "sampling_mask": None,
+                             "weight_versions": [{"start": 0, "end": len(tokens), "version": "0"}]}]}
 
     def stream(self, model: str, tokens: list[str], prompt_tokens: int, body: dict[str, Any]) -> list[bytes]:
         # serving.py serve_tokens_stream_generator: ``data: <chunk>`` per step, then ``data: [DONE]``.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from pd_extproc_lab.emulator.worker import WorkerSpec, start_workers
@@ -155,3 +156,39 @@ def test_kv_load_failure_has_the_real_shape(real_pd: RealPd, emulated: EmulatedP
         assert (fake.status, fake.media_type) == (real.status, real.media_type) == (500, "application/json")
         assert fake.json() == real.json(), "the fail-policy error body is a fixed text"
     assert real_pd.decode.http.get("/health").status_code == 200, "decode stays healthy after a failed load"
+
+
+# --- the Messages, Responses and generate APIs ------------------------------------------------------------
+
+GEN_APIS = {
+    "/v1/messages": lambda model: {"model": model, "max_tokens": 8, "temperature": 0,
+                                   "messages": [{"role": "user", "content": "shape of a message"}]},
+    "/v1/responses": lambda model: {"model": model, "input": "shape of a response", "max_output_tokens": 8,
+                                    "temperature": 0, "store": False},
+    "/inference/v1/generate": lambda model: {"model": model, "token_ids": [5, 6, 7, 8],
+                                             "sampling_params": {"temperature": 0, "max_tokens": 8}},
+}
+
+
+def gen_api_legs(prefill: httpx.Client, decode: httpx.Client, path: str, body: dict[str, Any]) -> tuple[Reply, Reply]:
+    """Both legs by hand with the prefill body our adapter derives (vllm_apis.py)."""
+    from extproc.adapters.vllm_nixl import VllmNixlAdapter, prefill_body
+    from extproc.core.openai_request import parse_client_request
+
+    client = parse_client_request(path, "application/json", orjson.dumps(body), 1 << 20,
+                                  served=VllmNixlAdapter.endpoints)
+    first = send(prefill, path, prefill_body(client))
+    assert first.status == 200, first.body[:300]
+    return first, send(decode, path, {**body, "kv_transfer_params": first.json()["kv_transfer_params"]})
+
+
+@pytest.mark.parametrize("path", list(GEN_APIS), ids=["messages", "responses", "generate"])
+def test_the_other_apis_responses_have_the_real_shape(real_pd: RealPd, emulated: EmulatedPair, path: str) -> None:
+    """Prefill (with its handoff) and decode responses of each API, non-streaming: same keys and JSON types."""
+    body = GEN_APIS[path](real_pd.model)
+    real_pd.ledger.direct += 1
+    real = gen_api_legs(real_pd.prefill.http, real_pd.decode.http, path, body)
+    fake = gen_api_legs(emulated.prefill_http, emulated.decode_http, path, body)
+    for real_reply, fake_reply, what in ((real[0], fake[0], "prefill response"), (real[1], fake[1], "decode response")):
+        assert (fake_reply.status, fake_reply.media_type) == (real_reply.status, real_reply.media_type), what
+        assert_same_shape(real_reply.json(), fake_reply.json(), f"{path} {what}")
