@@ -110,13 +110,14 @@ class Messages(Api):
         message_id = "msg_" + secrets.token_hex(12)
         frames = [_sse("message_start", {"type": "message_start", "message": {
             "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}),
             _sse("content_block_start", {"type": "content_block_start", "index": 0,
                                          "content_block": {"type": "text", "text": ""}})]
         frames += [_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                 "delta": {"type": "text_delta", "text": token}}) for token in tokens]
         frames += [_sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-                   _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                   _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens",
+                                                                             "stop_sequence": None},
                                           "usage": {"input_tokens": prompt_tokens, "output_tokens": len(tokens)}}),
                    _sse("message_stop", {"type": "message_stop"})]
         return frames
@@ -178,13 +179,15 @@ class Responses(Api):
         # part, one output_text.delta per token, the done events, then completed; sequence numbers count up.
         response = self.full(model, tokens, prompt_tokens, body)
         item_id = response["output"][0]["id"]
+        in_progress = {**response, "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
         events: list[dict[str, Any]] = [
-            {"type": "response.created", "response": {**response, "status": "in_progress", "output": []}},
-            {"type": "response.in_progress", "response": {**response, "status": "in_progress", "output": []}},
+            {"type": "response.created", "response": in_progress},
+            {"type": "response.in_progress", "response": in_progress},
             {"type": "response.output_item.added", "output_index": 0,
-             "item": {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}},
+             "item": {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": [],
+                      "phase": None}},
             {"type": "response.content_part.added", "item_id": item_id, "output_index": 0, "content_index": 0,
-             "part": {"type": "output_text", "text": "", "annotations": []}}]
+             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}]
         events += [{"type": "response.output_text.delta", "item_id": item_id, "output_index": 0, "content_index": 0,
                     "delta": token, "logprobs": []} for token in tokens]
         events += [{"type": "response.output_text.done", "item_id": item_id, "output_index": 0, "content_index": 0,
@@ -243,10 +246,15 @@ class Generate(Api):
     def stream(self, model: str, tokens: list[str], prompt_tokens: int, body: dict[str, Any]) -> list[bytes]:
         # serving.py serve_tokens_stream_generator: ``data: <chunk>`` per step, then ``data: [DONE]``.
         request_id = str(body.get("request_id") or secrets.token_hex(16))
+        # Each chunk dumps every member but prompt_token_ids, mm_placeholders and metrics while they are null;
+        # weight_versions is set on the final chunk only (protocol.py GenerateStreamChoiceBase).
+        last = len(tokens) - 1
         frames = [b"data: " + orjson.dumps({
-            "request_id": request_id, "output_mode": "tokens",
-            "choices": [{"index": 0, "finish_reason": "length" if i == len(tokens) - 1 else None,
-                         "token_ids": [token_id(token)]}]}) + b"\n\n" for i, token in enumerate(tokens)]
+            "request_id": request_id, "usage": None, "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": "length" if i == last else None, "stop_reason": None,
+                         "token_ids": [token_id(token)], "routed_experts": None, "sampling_mask": None,
+                         "weight_versions": [{"start": 0, "end": len(tokens), "version": "0"}] if i == last else None,
+                         "logprobs": None}]}) + b"\n\n" for i, token in enumerate(tokens)]
         return [*frames, b"data: [DONE]\n\n"]
 
 

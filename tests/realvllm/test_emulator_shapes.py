@@ -192,3 +192,35 @@ def test_the_other_apis_responses_have_the_real_shape(real_pd: RealPd, emulated:
     for real_reply, fake_reply, what in ((real[0], fake[0], "prefill response"), (real[1], fake[1], "decode response")):
         assert (fake_reply.status, fake_reply.media_type) == (real_reply.status, real_reply.media_type), what
         assert_same_shape(real_reply.json(), fake_reply.json(), f"{path} {what}")
+
+
+def event_outline(raw: bytes) -> list[tuple[str | None, Any]]:
+    """Each SSE frame's event name and the shape of its data (``[DONE]`` as is); consecutive frames of
+    the same name and shape (the per-token deltas) count once."""
+    outline: list[tuple[str | None, Any]] = []
+    for frame in raw.decode().split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in frame.split("\n") if ": " in line)
+        data = lines.get("data", "")
+        item = (lines.get("event"), data if data == "[DONE]" else shape(orjson.loads(data)))
+        if not outline or outline[-1] != item:
+            outline.append(item)
+    return outline
+
+
+@pytest.mark.parametrize("path", list(GEN_APIS), ids=["messages", "responses", "generate"])
+def test_the_other_apis_streams_have_the_real_events(real_pd: RealPd, emulated: EmulatedPair, path: str) -> None:
+    """A streamed decode answer of each API: the same event names, in the same order, each with the same
+    data shape (the generated values aside)."""
+    body = {**GEN_APIS[path](real_pd.model), "stream": True}
+    real_pd.ledger.direct += 1
+    _, real = gen_api_legs(real_pd.prefill.http, real_pd.decode.http, path, body)
+    _, fake = gen_api_legs(emulated.prefill_http, emulated.decode_http, path, body)
+    assert (fake.status, fake.media_type) == (real.status, real.media_type) == (200, "text/event-stream")
+    real_outline, fake_outline = event_outline(real.body), event_outline(fake.body)
+    assert [name for name, _ in fake_outline] == [name for name, _ in real_outline], path
+    drift = [f"event {name}: " + shape_diff(real_shape, fake_shape, "real vLLM", "emulator")
+             for (name, real_shape), (_, fake_shape) in zip(real_outline, fake_outline, strict=True)
+             if real_shape != fake_shape]
+    assert not drift, f"{path}: the emulator drifted from vLLM\n" + "\n".join(drift)
