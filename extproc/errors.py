@@ -71,7 +71,7 @@ SPEC: Mapping[Code, ErrorSpec] = {
     Code.INVALID_REQUEST_FIELD: ErrorSpec(400, _REQ, "The field {param} has an invalid value or type."),
     Code.UNSUPPORTED_MEDIA_TYPE: ErrorSpec(415, _REQ, "The request content-type must be application/json."),
     Code.UNSUPPORTED_ENDPOINT: ErrorSpec(
-        404, _REQ, "Disaggregated serving supports /v1/chat/completions and /v1/completions only."
+        404, _REQ, "Disaggregated serving does not support this endpoint with this engine."
     ),
     Code.UNSUPPORTED_PD_VARIANT: ErrorSpec(
         400, _REQ, "The field {param} selects a request variant that disaggregated serving does not support."

@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from extproc.core.fields import ReservedField
-from extproc.core.openai_request import ClientRequest
+from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
 from extproc.settings_spec import SettingSpec
 from extproc.upstream.transport import WorkerAddress, WorkerReply
 
@@ -86,6 +86,8 @@ class _Adapter:
     name: ClassVar[str]
     flow: ClassVar[Flow]
     reserved_fields: ClassVar[tuple[ReservedField, ...]] = ()
+    # The endpoints served P/D; a request on another path is unsupported_endpoint (the routes send only these).
+    endpoints: ClassVar[frozenset[Endpoint]] = OPENAI_ENDPOINTS
     # Headers the P/D route owns: a client's copy never reaches either leg.
     reserved_headers: frozenset[str] = frozenset()
     server_info_path: str | None = None
@@ -148,6 +150,7 @@ class Disabled:
     refused with 501 pd_adapter_unavailable before any leg; the passthrough route is untouched."""
 
     name: str = "none"
+    endpoints: frozenset[Endpoint] = OPENAI_ENDPOINTS
     reserved_fields: tuple[ReservedField, ...] = ()
     reserved_headers: frozenset[str] = frozenset()
     discovery_headers: tuple[tuple[str, str], ...] = ()
@@ -206,6 +209,8 @@ class Engine:
     decode_wait: Callable[[Options], float] = no_decode_wait
     # The decode worker's waiting-request gauges, for PD_EXTPROC_DECODE_QUEUE_LIMIT (None: not offered).
     decode_queue: QueueGauges | None = None
+    # The endpoints its adapter serves P/D (the adapter class's ``endpoints``): the routes take these paths.
+    endpoints: frozenset[Endpoint] = OPENAI_ENDPOINTS
     # Why the engine's decode worker cannot serve a request whole, if it cannot (PD_EXTPROC_PREFILL_FALLBACK).
     no_fallback: str = ""
     summary: str = ""  # one line for the README's engine table and --help

@@ -42,7 +42,7 @@ from extproc.adapters.base import (
 from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.core import jsonspan
 from extproc.core.fields import ReservedField, handoff_error, handoff_members, is_port
-from extproc.core.openai_request import ClientRequest
+from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
 from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
 from extproc.upstream.transport import WorkerReply
@@ -123,8 +123,12 @@ def decode_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> b
 
 
 def check_prefill_reply(reply: WorkerReply) -> None:
-    """A drained prefill reply is a success only if it is SGLang's non-aborted completion."""
+    """A drained prefill reply is a success only if it is SGLang's non-aborted completion: OpenAI's
+    ``choices`` (chat, completions) or /generate's ``meta_info`` (http_server.py generate_request)."""
     parsed, spans = parse_prefill_object(reply)
+    if "choices" not in parsed and "meta_info" in parsed:
+        _check_generate_reply(reply, parsed, spans)
+        return
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise handoff_error("choices", Problem.MISSING)
@@ -135,11 +139,32 @@ def check_prefill_reply(reply: WorkerReply) -> None:
         raise handoff_error("choices.finish_reason", Problem.ABORTED)
 
 
+def _check_generate_reply(reply: WorkerReply, parsed: dict[str, Any], spans: list[jsonspan.Member]) -> None:
+    """/generate: ``meta_info.finish_reason`` is an object whose ``type`` is "abort" for an aborted
+    request (srt/managers/schedule_batch.py FINISH_ABORT.to_json)."""
+    meta = parsed["meta_info"]
+    if not isinstance(meta, dict):
+        raise handoff_error("meta_info", Problem.NOT_AN_OBJECT)
+    meta_raw = jsonspan.member_value(reply.body, spans, "meta_info")
+    assert meta_raw is not None
+    meta_spans = handoff_members(meta_raw, "meta_info")  # finish_reason once
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):
+        finish_raw = jsonspan.member_value(meta_raw, meta_spans, "finish_reason")
+        assert finish_raw is not None
+        handoff_members(finish_raw, "meta_info.finish_reason")  # its type once
+        if finish.get("type") == "abort":
+            raise handoff_error("meta_info.finish_reason", Problem.ABORTED)
+
+
 class SglangAdapter(ConcurrentAdapter):
     """Bootstrap port from the settings (SGLang's default 8998 unless configured), or with
     ``bootstrap_port=None`` read from each prefill worker's /server_info (cached by the processor)."""
 
     name: ClassVar[str] = "sglang"
+    # Chat, completions and the native /generate (its own request, both legs' fields top-level in
+    # GenerateReqInput). /v1/messages and /v1/responses stay passthrough (PROTOCOL.md, "Generation APIs").
+    endpoints: ClassVar[frozenset[Endpoint]] = OPENAI_ENDPOINTS | {Endpoint.SGLANG_GENERATE}
     reserved_fields: ClassVar[tuple[ReservedField, ...]] = tuple(ReservedField(name) for name in
                                                                (*BOOTSTRAP_FIELDS, RID))
     reserved_headers = OVERRIDE_HEADERS
@@ -208,6 +233,7 @@ def build(protocol: str, options: Options) -> SglangAdapter:
 
 ENGINE = Engine(
     name=SglangAdapter.name, engine="sglang", pins=PROTOCOLS, flow=Flow.CONCURRENT, build=build,
+    endpoints=SglangAdapter.endpoints,
     # observability/metrics_collector.py: the waiting queue and, on a decode engine, the requests still
     # waiting to allocate (and to bootstrap) before their KV can land.
     decode_queue=QueueGauges("/metrics", ("sglang:num_queue_reqs", "sglang:num_decode_prealloc_queue_reqs")),

@@ -27,6 +27,7 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_member
+from extproc.adapters.vllm_apis import PREFILLS
 from extproc.core import jsonspan
 from extproc.core.fields import (
     FieldRule,
@@ -39,7 +40,7 @@ from extproc.core.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
 from extproc.upstream.transport import WorkerReply
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
@@ -113,6 +114,9 @@ def validate_handoff(params: object, protocol: str) -> None:
 
 def prefill_body(request: ClientRequest) -> bytes:
     """The derived prefill-only request: the client's members verbatim except the P/D rewrites."""
+    other_api = PREFILLS.get(request.endpoint)
+    if other_api is not None:
+        return other_api(request, (KEY, PRODUCER_PARAMS))
     replace: dict[str, bytes | None] = {name: None for name in _PREFILL_DROPPED}
     replace.update({"stream": _FALSE, "max_tokens": _ONE, KEY: None})
     present = {m.name for m in request.members}
@@ -148,6 +152,8 @@ class VllmNixlAdapter(SequentialAdapter):
     name: ClassVar[str] = "vllm_nixl"
     # Null and {} are tolerated as absent (the reference design's C08): some SDKs send an empty one.
     reserved_fields: ClassVar[tuple[ReservedField, ...]] = (ReservedField(KEY, (None, {})),)
+    # Every API whose request and response carry kv_transfer_params at the pins (PROTOCOL.md).
+    endpoints: ClassVar[frozenset[Endpoint]] = OPENAI_ENDPOINTS | frozenset(PREFILLS)
 
     def __init__(self, protocol: str = PROTOCOL_0_32) -> None:
         if protocol not in PROTOCOLS:
@@ -167,6 +173,7 @@ def build(protocol: str, options: Options) -> VllmNixlAdapter:
 
 ENGINE = Engine(
     name=VllmNixlAdapter.name, engine="vllm", pins=PROTOCOLS, flow=Flow.SEQUENTIAL, build=build,
+    endpoints=VllmNixlAdapter.endpoints,
     # vllm/v1/metrics/loggers.py, PrometheusStatLogger: "Number of requests waiting to be processed."
     decode_queue=QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
     emulator="pd_extproc_lab.emulator.vllm:VllmEmulator",

@@ -14,7 +14,7 @@ from typing import Any
 
 from extproc.core import jsonspan
 from extproc.core.fields import ReservedField, refuse_reserved
-from extproc.core.openai_request import ClientRequest, Endpoint, parse_client_request
+from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint, parse_client_request
 from extproc.core.steering import refuse_steering
 from extproc.errors import Code, PdError, Problem
 
@@ -29,6 +29,7 @@ class Rules:
     max_bytes: int
     reserved: tuple[ReservedField, ...] = ()
     own_fields: frozenset[str] = frozenset()  # the adapter's own reserved names: the steering check skips them
+    served: frozenset[Endpoint] = OPENAI_ENDPOINTS  # the endpoints the adapter serves P/D
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,8 @@ class Refusal:
 def inspect(path: str, content_type: str | None, raw: bytes, rules: Rules) -> Inspected:
     """Parse and check the body; raise PdError for anything refused. An unsupported variant is
     returned (``unsupported`` names it), not refused: the processor decides what to do with it."""
-    request = parse_client_request(path, content_type, raw, rules.max_bytes, allow_unsupported=True)
+    request = parse_client_request(path, content_type, raw, rules.max_bytes, allow_unsupported=True,
+                                   served=rules.served)
     refuse_reserved(request.body, rules.reserved)
     refuse_steering(request.body, rules.own_fields)
     kept = {member.name: request.body[member.name] for member in request.members

@@ -63,7 +63,7 @@ class Inspector:
         """The checked request, or PdError: the same answer on either side of the size limit."""
         if len(raw) <= self._inline_max_bytes:
             return client_request(path, raw, inspect(path, content_type, raw, self._rules))
-        precheck(path, content_type, raw, self._rules.max_bytes)  # a refusal that needs no worker
+        precheck(path, content_type, raw, self._rules.max_bytes, self._rules.served)  # a refusal that needs no worker
         answer = await self._in_pool(functools.partial(self._work, path, content_type, raw, self._rules))
         if isinstance(answer, Refusal):
             raise answer.error()

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from extproc.core import jsonspan
+from extproc.core import gen_apis, jsonspan
 from extproc.core.fields import is_int
 from extproc.errors import Code, PdError
 
@@ -20,6 +20,22 @@ from extproc.errors import Code, PdError
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    MESSAGES = "/v1/messages"  # Anthropic Messages API (vLLM)
+    RESPONSES = "/v1/responses"  # OpenAI Responses API (vLLM)
+    GENERATE = "/inference/v1/generate"  # vLLM's token-in generate API
+    SGLANG_GENERATE = "/generate"  # SGLang's native generate API
+
+    @property
+    def api(self) -> str:
+        """The API's short name: the ``api`` label of metrics, logs and traces."""
+        return _API_NAMES[self]
+
+
+_API_NAMES = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "completions", Endpoint.MESSAGES: "messages",
+              Endpoint.RESPONSES: "responses", Endpoint.GENERATE: "generate",
+              Endpoint.SGLANG_GENERATE: "sglang_generate"}
+# The endpoints every engine serves P/D; an adapter that serves more lists them (its ``endpoints``).
+OPENAI_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +64,9 @@ _OPTIONAL_POSITIVE_INT = ("max_tokens", "max_completion_tokens")
 MAX_MEMBERS = 256
 
 
-def endpoint_of(path: str) -> Endpoint:
+def endpoint_of(path: str, served: frozenset[Endpoint] = OPENAI_ENDPOINTS) -> Endpoint:
     bare = path.split("?", 1)[0]
-    for endpoint in Endpoint:
+    for endpoint in served:
         if bare == endpoint.value:
             return endpoint
     raise PdError(Code.UNSUPPORTED_ENDPOINT)
@@ -63,9 +79,11 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def precheck(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> None:
-    """The checks of ``parse_client_request`` that do not read the body, in its order (cheap at any size)."""
-    endpoint_of(path)
+def precheck(path: str, content_type: str | None, raw: bytes, max_bytes: int,
+             served: frozenset[Endpoint] = OPENAI_ENDPOINTS) -> None:
+    """The checks of ``parse_client_request`` that do not read the body, in its order (cheap at any size).
+    ``served`` are the endpoints the adapter serves P/D."""
+    endpoint_of(path, served)
     if len(raw) > max_bytes:
         raise PdError(Code.REQUEST_TOO_LARGE)
     if not is_json_content_type(content_type):
@@ -73,11 +91,13 @@ def precheck(path: str, content_type: str | None, raw: bytes, max_bytes: int) ->
 
 
 def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int,
-                         allow_unsupported: bool = False) -> ClientRequest:
+                         allow_unsupported: bool = False,
+                         served: frozenset[Endpoint] = OPENAI_ENDPOINTS) -> ClientRequest:
     """Validate the request the client sent on the P/D route; raise PdError for anything we refuse.
-    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused."""
-    precheck(path, content_type, raw, max_bytes)
-    endpoint = endpoint_of(path)
+    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused.
+    ``served`` are the endpoints the adapter serves P/D."""
+    precheck(path, content_type, raw, max_bytes, served)
+    endpoint = endpoint_of(path, served)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -113,6 +133,9 @@ def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
         value = body.get(name)
         if value is not None and not (is_int(value) and value >= 1):
             raise PdError(Code.INVALID_REQUEST_FIELD, field=name)
+    other_api = _OTHER_APIS.get(endpoint)
+    if other_api is not None:
+        return other_api(body)
     unsupported = None
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")
@@ -126,6 +149,8 @@ def _check_fields(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     return unsupported
 
 
+_OTHER_APIS = {Endpoint.MESSAGES: gen_apis.check_messages, Endpoint.RESPONSES: gen_apis.check_responses,
+               Endpoint.GENERATE: gen_apis.check_generate, Endpoint.SGLANG_GENERATE: gen_apis.check_sglang_generate}
 _INT_ONLY = frozenset({int})
 
 

@@ -35,12 +35,13 @@ from extproc.adapters.base import (
     PlanInput,
     SequentialAdapter,
 )
+from extproc.core import error_shapes
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
 from extproc.core.headers import prefill_headers
 from extproc.core.inspection import Rules
 from extproc.core.inspector import Inspector
-from extproc.core.openai_request import ClientRequest, refuse_unsupported
+from extproc.core.openai_request import ClientRequest, Endpoint, refuse_unsupported
 from extproc.core.prefill_target import HEADER, parse_prefill_target
 from extproc.core.steering import STEERING_HEADER_NAMES
 from extproc.envoy import messages as msg
@@ -133,13 +134,15 @@ class PdProcessor:
         self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
         self._stripped_sorted = tuple(sorted(self._stripped_headers))
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
+        # The paths the adapter serves P/D (gateway mode passes every other request through).
+        self.pd_paths = frozenset(endpoint.value for endpoint in adapter.endpoints)
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
     @staticmethod
     def inspection_rules(adapter: Adapter | Disabled, max_request_bytes: int) -> Rules:
         """What the body's inspection refuses for this adapter (the steering check skips its own fields)."""
         return Rules(max_request_bytes, tuple(adapter.reserved_fields),
-                     frozenset(field.name for field in adapter.reserved_fields))
+                     frozenset(field.name for field in adapter.reserved_fields), adapter.endpoints)
 
     # --- the two ext_proc phases -------------------------------------------------------------------
 
@@ -373,7 +376,7 @@ class PdProcessor:
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
-                               time.perf_counter())
+                               time.perf_counter(), api_label(head.path))
         if self._tracing is not None:
             record.trace = self._tracing.begin(head.headers)
         return record
@@ -384,17 +387,18 @@ class PdProcessor:
             record.prefill_error = error.relayed.reason
         self._finish(record, error.code.value, error.status)
         extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
-        return error_response(error, extra)
+        return error_response(error, extra, anthropic=record.api == Endpoint.MESSAGES.api)
 
     def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
         record.outcome, record.status, record.done = outcome, status, True
         total = time.perf_counter() - record.started
         self._metrics.finish(record, total)
         if record.trace is not None:
-            record.trace.finish(record.adapter, outcome, status)
+            record.trace.finish(record.adapter, outcome, status, record.api)
         extra = {
             "request_id": record.request_id,
             "adapter": record.adapter,
+            "api": record.api,
             "outcome": outcome,
             "status": status,
             "prefill_status": record.prefill.status,
@@ -418,11 +422,24 @@ def _bug(record: RequestRecord) -> PdError:
     return PdError(Code.INTERNAL_ERROR)
 
 
-def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
-    """The client's reply to an error: ours, or the prefill engine's own error about the request."""
+def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = (),
+                   anthropic: bool = False) -> pb.ProcessingResponse:
+    """The client's reply to an error: ours, or the prefill engine's own error about the request, in the
+    client's API's shape (Anthropic's on the Messages API)."""
     if error.relayed is not None:
-        return msg.immediate(error.status, error.relayed.body(), "pd_" + error.code.value, extra)
-    return msg.error_reply(error.code, error.status, error.param, extra)
+        body = error_shapes.relayed_body(error.relayed, anthropic)
+    else:
+        body = error_shapes.our_error_body(error.code, error.status, error.param, anthropic)
+    return msg.immediate(error.status, body, "pd_" + error.code.value, extra)
+
+
+def api_label(path: str) -> str:
+    """The ``api`` label of a request's path: an Endpoint's short name, or "other"."""
+    bare = path.split("?", 1)[0]
+    for endpoint in Endpoint:
+        if bare == endpoint.value:
+            return endpoint.api
+    return "other"
 
 
 def _ms(seconds: float | None) -> float | None:

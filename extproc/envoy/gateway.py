@@ -13,7 +13,8 @@ P/D (another method or path: the picker may tag any request of the route) is nev
 its body is checked for steering members (``steering_refusal``, in a worker process when the body is
 over 16 KiB: core/inspector.py), because the client guard is skipped for
 tagged requests only when they are P/D. A P/D request is one the sidecar's pd route would match
-(envoy/pd_request.py): POST to /v1/chat/completions or /v1/completions carrying x-prefiller-host-port.
+(envoy/pd_request.py): POST to a path the adapter serves P/D (envoy/pd_paths.py) carrying
+x-prefiller-host-port.
 
 Envoy honours ``mode_override`` only with ``allow_mode_override`` in the filter, only on a headers
 reply, and only when the filter's configured body modes are not FULL_DUPLEX_STREAMED
@@ -34,7 +35,7 @@ from extproc.core.inspection import Refusal
 from extproc.core.steering import STEERING_FIELDS, refuse_steering
 from extproc.envoy import messages as msg
 from extproc.envoy.messages import RequestHead
-from extproc.envoy.pd_request import PREFILL_TARGET_HEADER, is_pd
+from extproc.envoy.pd_request import OPENAI_PATHS, PREFILL_TARGET_HEADER, is_pd
 from extproc.errors import PdError
 
 _Mode = processing_mode_pb2.ProcessingMode
@@ -53,9 +54,10 @@ def is_tagged(head: RequestHead) -> bool:
     return PREFILL_TARGET_HEADER in (name for name, _ in head.headers)
 
 
-def is_pd_request(head: RequestHead) -> bool:
-    """A request the sidecar's pd route would take (envoy/pd_request.py: the one rule)."""
-    return is_pd(head.first(":method"), head.path, is_tagged(head))
+def is_pd_request(head: RequestHead, paths: frozenset[str] = OPENAI_PATHS) -> bool:
+    """A request the sidecar's pd route would take (envoy/pd_request.py: the one rule); ``paths`` are the
+    adapter's P/D paths (PdProcessor.pd_paths)."""
+    return is_pd(head.first(":method"), head.path, is_tagged(head), paths)
 
 
 # A JSON key spells a steering member's last name either literally or with a \u escape (the names are

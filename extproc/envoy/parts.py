@@ -49,7 +49,8 @@ from extproc.envoy.bootstrap import (
 from extproc.envoy.gateway import PASSTHROUGH_MODE
 from extproc.envoy.guard import guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
-from extproc.envoy.pd_request import PD_FULL_PATH_REGEX, PD_METHOD
+from extproc.envoy.pd_paths import served
+from extproc.envoy.pd_request import PD_METHOD, full_path_regex
 from extproc.errors import Code
 from extproc.units import Address
 
@@ -231,20 +232,22 @@ def _header_matches(name: str, regex: str) -> dict[str, Any]:
 # What our server reads as P/D (envoy/pd_request.py, the one rule), as a matcher. The header rule is ".+":
 # an empty x-prefiller-host-port is P/D to the server (refused invalid_prefill_target) and not here, so the
 # guard reads such a body too: skipping less than the server reads is safe, skipping more never is.
-_PD_REQUEST = {"and_matcher": {"predicate": [
-    _header_matches(":method", re.escape(PD_METHOD)),
-    _header_matches(":path", PD_FULL_PATH_REGEX),
-    _PREFILL_HEADER_PRESENT,
-]}}
+def _pd_request(adapter: str) -> dict[str, Any]:
+    return {"and_matcher": {"predicate": [
+        _header_matches(":method", re.escape(PD_METHOD)),
+        _header_matches(":path", full_path_regex(served(adapter))),
+        _PREFILL_HEADER_PRESENT,
+    ]}}
 
 
-def gateway_guard_filter() -> dict[str, Any]:
+def gateway_guard_filter(adapter: str) -> dict[str, Any]:
     """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
     requests our server does not read as P/D: put right after the picker, it is skipped only for a request
-    our server will read as P/D (envoy/pd_request.py), whose body our server checks. A tagged request of
-    another method or path is read by both (gateway.steering_refusal)."""
+    our server, running ``adapter``, will read as P/D (envoy/pd_request.py), whose body our server checks.
+    A tagged request of another method or path is read by both (gateway.steering_refusal)."""
     guard = guard_filter()
-    return {"name": guard["name"], "typed_config": _skipped_when(_PD_REQUEST, guard["name"], guard["typed_config"])}
+    skip = _pd_request(adapter)
+    return {"name": guard["name"], "typed_config": _skipped_when(skip, guard["name"], guard["typed_config"])}
 
 
 def gateway_route_additions(settings: Settings) -> dict[str, Any]:
@@ -292,7 +295,7 @@ def gateway_cluster(settings: Settings, ext_proc_address: Address | None) -> dic
 
 def gateway_parts(settings: Settings, route_name: str, ext_proc_address: Address | None = None) -> dict[str, Any]:
     return {
-        "http_filters": [body_limit_filter(settings), gateway_guard_filter(), gateway_filter(settings)],
+        "http_filters": [body_limit_filter(settings), gateway_guard_filter(settings.adapter), gateway_filter(settings)],
         "route_additions": gateway_route_additions(settings),
         "clusters": [gateway_cluster(settings, ext_proc_address)],
         "local_reply_mappers": gateway_local_reply_mappers(route_name),

@@ -2,29 +2,32 @@
 
 The sidecar's pd route (envoy/bootstrap.py), the gateway-mode server (envoy/gateway.py ``is_pd_request``)
 and the gateway parts' guard matcher (envoy/parts.py) all read a request as P/D exactly when its method
-is POST, its path (without the query) is one of the P/D paths, and it carries the picker's
-x-prefiller-host-port. The guard may be skipped only where our server reads the body, so the three must
-never disagree (tests/unit/test_pd_request.py runs one table through each).
+is POST, its path (without the query) is one the adapter serves P/D (envoy/pd_paths.py), and it carries
+the picker's x-prefiller-host-port. The guard may be skipped only where our server reads the body, so the
+three must never disagree (tests/unit/test_pd_request.py runs one table through each).
 """
 
 from __future__ import annotations
 
-import re
-
+from extproc.core.openai_request import OPENAI_ENDPOINTS, Endpoint
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.envoy.pd_paths import path_regex
 
 PD_METHOD = "POST"
-# Envoy's route safe_regex is matched whole against :path once the query is removed.
-PD_PATH_REGEX = "/v1/(chat/)?completions"
-# The same rule on the whole :path, query included: what a header matcher on :path sees. RE2 and Python's
-# re agree on this pattern ("." stops at a newline in both; a header value has none).
-PD_FULL_PATH_REGEX = PD_PATH_REGEX + r"(\?.*)?"
-_FULL_PATH = re.compile(PD_FULL_PATH_REGEX)
+# The paths every adapter serves P/D (the default where no adapter is named).
+OPENAI_PATHS = frozenset(endpoint.value for endpoint in OPENAI_ENDPOINTS)
 
-__all__ = ["PD_FULL_PATH_REGEX", "PD_METHOD", "PD_PATH_REGEX", "PREFILL_TARGET_HEADER", "is_pd"]
+__all__ = ["OPENAI_PATHS", "PD_METHOD", "PREFILL_TARGET_HEADER", "full_path_regex", "is_pd"]
 
 
-def is_pd(method: str | None, path: str, tagged: bool) -> bool:
+def full_path_regex(endpoints: frozenset[Endpoint]) -> str:
+    """The rule on the whole :path, query included: what a header matcher on :path sees (Envoy's route
+    ``safe_regex``, pd_paths.path_regex, is matched against the path without its query). RE2 and Python's
+    re agree on this pattern ("." stops at a newline in both; a header value has none)."""
+    return f"({path_regex(endpoints)})(\\?.*)?"
+
+
+def is_pd(method: str | None, path: str, tagged: bool, paths: frozenset[str] = OPENAI_PATHS) -> bool:
     """``tagged``: the request carries x-prefiller-host-port (any value: a bad one is refused later with
-    invalid_prefill_target)."""
-    return method == PD_METHOD and tagged and _FULL_PATH.fullmatch(path) is not None
+    invalid_prefill_target); ``paths``: the adapter's P/D paths."""
+    return method == PD_METHOD and tagged and path.split("?", 1)[0] in paths

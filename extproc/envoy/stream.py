@@ -100,7 +100,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
         stream.head = msg.head_from_headers(headers)
-        if self._passthrough is not None and not gateway.is_pd_request(stream.head):
+        if self._passthrough is not None and not gateway.is_pd_request(stream.head, self._processor.pd_paths):
             if gateway.is_tagged(stream.head) and not headers.end_of_stream:
                 stream.phase = Phase.INSPECT  # the guard in front skipped it only if P/D: never past us unseen
                 return msg.continue_headers(), False

@@ -34,6 +34,7 @@ class RequestRecord:
     request_id: str
     adapter: str
     started: float
+    api: str = "other"  # the generation API (openai_request.Endpoint.api), "other" for a path we do not serve
     outcome: str = "ok"
     status: int = 200
     prefill: ExchangeTimings = field(default_factory=ExchangeTimings)  # the prefill leg, as the transport saw it
@@ -60,6 +61,10 @@ class Metrics:
             "pd_extproc_requests",
             "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",
             ["adapter", "outcome"], registry=self.registry)
+        self.requests_by_api = Counter(
+            "pd_extproc_api_requests",
+            "P/D requests by adapter, generation API (chat, completions, messages, responses, generate) and outcome.",
+            ["adapter", "api", "outcome"], registry=self.registry)
         self.prefill_seconds = Histogram(
             "pd_extproc_prefill_seconds",
             "Prefill leg latency: connect (new connections only), response (until the response head), total.",
@@ -136,6 +141,7 @@ class Metrics:
         if outcome is None:
             outcome = self._outcomes[key] = self.requests.labels(*key)
         outcome.inc()
+        self.requests_by_api.labels(adapter, record.api, record.outcome).inc()
         if record.prefill.connect_seconds is not None:
             self._histogram(self.prefill_seconds, adapter, "connect").observe(record.prefill.connect_seconds)
         if record.prefill.response_seconds is not None:

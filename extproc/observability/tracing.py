@@ -111,8 +111,9 @@ class RequestTrace:
                 self.prefill.set_attribute("http.response.status_code", status)
             self.prefill.end()
 
-    def finish(self, adapter: str, outcome: str, status: int) -> None:
+    def finish(self, adapter: str, outcome: str, status: int, api: str = "other") -> None:
         self.request.set_attribute("pd.adapter", adapter)
+        self.request.set_attribute("pd.api", api)
         self.request.set_attribute("pd.outcome", outcome)
         self.request.set_attribute("http.response.status_code", status)
         if outcome not in SERVED_OUTCOMES:

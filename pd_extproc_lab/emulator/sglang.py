@@ -225,7 +225,7 @@ class SglangEmulator:
             return Response(200, orjson.dumps({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "sglang",
                  "root": self.model, "max_model_len": 4096}]}))
-        if request.method != "POST" or request.path not in common.GENERATION_PATHS:
+        if request.method != "POST" or request.path not in _APIS:
             return Response(404, b'{"detail":"Not Found"}')
         return await self.control.answer(request, self._generate)
 
@@ -251,10 +251,14 @@ class SglangEmulator:
         body = common.json_object(request.body)
         if isinstance(body, str):
             return bad_request("Invalid JSON body" if body == "not JSON" else "Invalid request body")
-        chat = request.path == "/v1/chat/completions"
-        if (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
+        api = _APIS[request.path]
+        chat = api == "chat"
+        if api == "generate":
+            if body.get("text") is None and body.get("input_ids") is None:
+                return bad_request("Either text, input_ids or input_embeds should be provided.")
+        elif (chat and not isinstance(body.get("messages"), list)) or (not chat and "prompt" not in body):
             return bad_request("messages or prompt: Field required")
-        if chat and self.header_overrides:  # serving_chat.py applies them; serving_completions.py does not
+        if (chat or api == "generate") and self.header_overrides:  # serving_chat.py and serve_generate_request
             overridden = apply_header_overrides(body, request)
             if isinstance(overridden, Response):
                 return overridden
@@ -264,31 +268,31 @@ class SglangEmulator:
             return error_response(400, f"Duplicate request ID detected: {rid}", "BadRequestError")
         self.inflight[rid] = asyncio.Event()
         try:
-            return await self._serve(body, chat, rid, received, behaviour)
+            return await self._serve(body, api, rid, received, behaviour)
         finally:
             del self.inflight[rid]
 
-    async def _serve(self, body: dict[str, Any], chat: bool, rid: str, received: Received,
+    async def _serve(self, body: dict[str, Any], api: str, rid: str, received: Received,
                      behaviour: SglangBehaviour) -> Reply:
-        prompt = common.prompt_text(body, chat)
+        prompt = _prompt(body, api)
         room = _scalar(body.get("bootstrap_room"))
         host = _scalar(body.get("bootstrap_host"))
         received.notes.update(rid=rid, room=room)
         if self.role == "both" or host == FAKE_BOOTSTRAP_HOST:
-            return self._answer(body, chat, rid, prompt, common.max_tokens(body, chat, DEFAULT_MAX_TOKENS))
+            return self._answer(body, api, rid, prompt, _limit(body, api))
         if not isinstance(room, int) or isinstance(room, bool):
             if room is None:
                 return bad_request("Invalid request: Disaggregated request received without bootstrap room id. "
                                    f"req.rid='{rid}'")
             return bad_request("bootstrap_room: Input should be a valid integer")
         if self.role == "prefill":
-            return await self._prefill(body, chat, rid, prompt, room, received, behaviour)
+            return await self._prefill(body, api, rid, prompt, room, received, behaviour)
         port = _scalar(body.get("bootstrap_port")) or self.bootstrap_port
-        return await self._decode(body, chat, rid, prompt, (str(host), int(port), room), received)
+        return await self._decode(body, api, rid, prompt, (str(host), int(port), room), received)
 
     # --- prefill: register the room, wait for the decode worker's claim --------------------------------
 
-    async def _prefill(self, body: dict[str, Any], chat: bool, rid: str, prompt: str, room: int,
+    async def _prefill(self, body: dict[str, Any], api: str, rid: str, prompt: str, room: int,
                        received: Received, behaviour: SglangBehaviour) -> Reply:
         if behaviour.delay_register is not None:
             await asyncio.sleep(behaviour.delay_register)
@@ -321,11 +325,11 @@ class SglangEmulator:
                        f"with exception KVTransferError(bootstrap_room={room}): Aborted by AbortReq.")
             return error_response(500, message, "500")
         received.notes.update(transfer="ok", claimed_by=state.claimed_by)
-        return self._answer(body, chat, rid, prompt, 1)
+        return self._answer(body, api, rid, prompt, 1)
 
     # --- decode: find the prefill worker's bootstrap server, claim the room -----------------------------
 
-    async def _decode(self, body: dict[str, Any], chat: bool, rid: str, prompt: str,
+    async def _decode(self, body: dict[str, Any], api: str, rid: str, prompt: str,
                       bootstrap: tuple[str, int, int], received: Received) -> Reply:
         host, port, room = bootstrap
         received.notes["bootstrap"] = {"host": host, "port": port, "room": room}
@@ -338,7 +342,7 @@ class SglangEmulator:
             problem = pulled[1]
         if problem is None:
             self.counters.transfers += 1
-            return self._answer(body, chat, rid, prompt, common.max_tokens(body, chat, DEFAULT_MAX_TOKENS))
+            return self._answer(body, api, rid, prompt, _limit(body, api))
         self.counters.failed_transfers += 1
         received.notes["transfer"] = problem
         message = (f"Decode handshake failed for request rank=0 decode_req.req.rid='{rid}' "
@@ -442,9 +446,15 @@ class SglangEmulator:
 
     # --- responses ------------------------------------------------------------------------------------
 
-    def _answer(self, body: dict[str, Any], chat: bool, rid: str, prompt: str, limit: int) -> Reply:
+    def _answer(self, body: dict[str, Any], api: str, rid: str, prompt: str, limit: int) -> Reply:
         tokens = text.generate(prompt, limit)
         prompt_tokens = text.count_tokens(prompt)
+        if api == "generate":
+            if body.get("stream") is True:
+                return StreamResponse(_native_stream(rid, tokens, prompt_tokens))
+            return Response(200, orjson.dumps(_native_answer(rid, tokens, prompt_tokens, len(tokens))),
+                            headers=[(common.WORKER_HEADER, self.worker_id)])
+        chat = api == "chat"
         if body.get("stream") is True:
             return StreamResponse(self._stream(rid, chat, tokens, prompt_tokens, common.include_usage(body)))
         usage = _usage(prompt_tokens, len(tokens))
@@ -529,4 +539,45 @@ async def _first(work: Awaitable[Any], aborted: Awaitable[Any], within: float | 
 
 async def _one_event(event: bytes) -> AsyncIterator[bytes]:
     yield event
+    yield b"data: [DONE]\n\n"
+
+
+# --- SGLang's native /generate (srt/entrypoints/http_server.py generate_request) ------------------------
+
+_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/generate": "generate"}
+
+
+def _prompt(body: dict[str, Any], api: str) -> str:
+    if api == "generate":  # io_struct.py GenerateReqInput: ``text`` or token ``input_ids``
+        given = body.get("text")
+        return str(given) if given is not None else text.completion_prompt(body.get("input_ids"))
+    return common.prompt_text(body, api == "chat")
+
+
+def _limit(body: dict[str, Any], api: str) -> int:
+    if api == "generate":  # sampling_params.py SamplingParams: max_new_tokens
+        params = body.get("sampling_params")
+        value = params.get("max_new_tokens") if isinstance(params, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else DEFAULT_MAX_TOKENS
+    return common.max_tokens(body, api == "chat", DEFAULT_MAX_TOKENS)
+
+
+def _native_answer(rid: str, tokens: list[str], prompt_tokens: int, done: int) -> dict[str, Any]:
+    """tokenizer_manager.py's output dict: the text so far, and meta_info whose finish_reason is
+    schedule_batch.py FINISH_LENGTH.to_json() once the request ends (null before)."""
+    finished = done == len(tokens)
+    return {"text": "".join(tokens[:done]), "output_ids": [text_id(t) for t in tokens[:done]],
+            "meta_info": {"id": rid, "finish_reason": {"type": "length", "length": len(tokens)} if finished else None,
+                          "prompt_tokens": prompt_tokens, "completion_tokens": done, "cached_tokens": 0}}
+
+
+def text_id(token: str) -> int:
+    """The emulated vocabulary's id of a generated token."""
+    return int.from_bytes(hashlib.sha256(token.encode()).digest()[:2], "big")
+
+
+async def _native_stream(rid: str, tokens: list[str], prompt_tokens: int) -> AsyncIterator[bytes]:
+    """http_server.py stream_results: ``data: <output>`` per step (the text so far), then ``data: [DONE]``."""
+    for done in range(1, len(tokens) + 1):
+        yield b"data: " + orjson.dumps(_native_answer(rid, tokens, prompt_tokens, done)) + b"\n\n"
     yield b"data: [DONE]\n\n"

@@ -29,7 +29,7 @@ import orjson
 
 from extproc.observability.httpserver import Request, Response
 from extproc.units import parse_duration
-from pd_extproc_lab.emulator import common, text
+from pd_extproc_lab.emulator import common, text, vllm_apis
 from pd_extproc_lab.emulator.behaviour import Behaviour
 from pd_extproc_lab.emulator.control import Control, Received
 from pd_extproc_lab.emulator.http import RawResponse, Reply, StreamResponse
@@ -134,6 +134,7 @@ class VllmEmulator:
         self.lease_seconds = lease_seconds
         self.counters = Counters()
         self.leases: dict[str, Lease] = {}
+        self.stored_responses: dict[str, dict[str, Any]] = {}  # /v1/responses with store (see _generate_api)
         self._next_block = 1
         self.control = Control({"engine": "vllm", "role": role, "worker_id": worker_id,
                                 "engine_id": self.engine_id, "model": model}, VllmBehaviour)
@@ -175,12 +176,20 @@ class VllmEmulator:
         if request.path == "/v1/models":  # recorded too: tests see the readiness probe
             return Response(200, orjson.dumps({"object": "list", "data": [
                 {"id": self.model, "object": "model", "owned_by": "vllm", "max_model_len": MAX_MODEL_LEN}]}))
-        if request.method != "POST" or request.path not in ("/v1/chat/completions", "/v1/completions"):
+        if request.method == "GET" and request.path.startswith("/v1/responses/"):
+            stored = self.stored_responses.get(request.path.rsplit("/", 1)[1])
+            return Response(200, orjson.dumps(stored)) if stored is not None else \
+                Response(404, error_json(404, "Response not found", "NotFoundError"))
+        api = vllm_apis.APIS.get(request.path)
+        if request.method != "POST" or (api is None and request.path not in ("/v1/chat/completions",
+                                                                             "/v1/completions")):
             return Response(404, error_json(404, "Not Found", "NotFoundError"))
         behaviour = self.control.next_behaviour(received)
         misbehaviour = await self._misbehave(behaviour, request)
         if misbehaviour is not None:
             return misbehaviour
+        if api is not None:
+            return await self._generate_api(api, request, received, behaviour)
         body = common.json_object(request.body)
         if isinstance(body, str):
             return _bad_request("Invalid JSON body" if body == "not JSON" else "Invalid request body")
@@ -226,6 +235,49 @@ class VllmEmulator:
             payload.pop("kv_transfer_params", None)
         if behaviour.pad_bytes:
             payload["padding"] = "x" * behaviour.pad_bytes
+        return Response(200, orjson.dumps(payload), headers=[("x-emulator-worker", self.worker_id)])
+
+    async def _generate_api(self, api: vllm_apis.Api, request: Request, received: Received,
+                            behaviour: VllmBehaviour) -> Reply:
+        """The Messages, Responses and generate APIs: the same KV side as chat, each API's own shapes."""
+        body = common.json_object(request.body)
+        if isinstance(body, str):
+            return Response(400, api.error(400, "Invalid request body", "BadRequestError"))
+        problem = api.check(body)
+        if problem is not None:
+            return Response(400, api.error(400, problem, "BadRequestError"))
+        prompt = api.prompt(body)
+        prompt_tokens = text.count_tokens(prompt)
+        if prompt_tokens > MAX_MODEL_LEN:
+            return Response(400, api.error(400, "prompt too long", "BadRequestError", "input_tokens"))
+        params = body.get("kv_transfer_params")
+        params = params if isinstance(params, dict) else None
+        handoff: Any = None
+        if params and params.get("do_remote_decode"):
+            handoff = self._grant_lease(prompt_tokens, received, behaviour)
+        elif params and params.get("do_remote_prefill"):
+            if not await self._pull(params, received):
+                return Response(500, api.error(500, "Internal server error", "InternalServerError"))
+        else:
+            self.counters.recomputed += 1
+        tokens = text.generate(prompt, api.max_tokens(body))
+        self.counters.prompt_tokens += prompt_tokens
+        self.counters.generation_tokens += len(tokens)
+        self.counters.requests_ok += 1
+        if behaviour.kv_transfer_params is not KEEP:
+            handoff = behaviour.kv_transfer_params
+        if body.get("stream") is True or behaviour.sse:
+            frames = b"".join(api.stream(self.model, tokens, prompt_tokens, body))
+            return StreamResponse(_pieces(frames, behaviour.chunking, behaviour.token_interval))
+        payload = api.full(self.model, tokens, prompt_tokens, body)
+        if handoff is not None or behaviour.kv_transfer_params is not KEEP:
+            payload["kv_transfer_params"] = handoff
+        if behaviour.omit_kv_transfer_params:
+            payload.pop("kv_transfer_params", None)
+        # As vLLM with VLLM_ENABLE_RESPONSES_API_STORE=1 (openai/responses/serving.py
+        # responses_full_generator): a response whose request did not say store=false is kept.
+        if isinstance(api, vllm_apis.Responses) and body.get("store") is not False:
+            self.stored_responses[payload["id"]] = payload
         return Response(200, orjson.dumps(payload), headers=[("x-emulator-worker", self.worker_id)])
 
     def _validate(self, body: dict[str, Any], chat: bool) -> Response | None:
@@ -477,6 +529,8 @@ class VllmEmulator:
             f"vllm:num_requests_waiting{labels} {self.control.gauge('vllm:num_requests_waiting')}",
             "# TYPE emulator_recomputed_prompts counter",
             f"emulator_recomputed_prompts_total{labels} {float(c.recomputed)}",
+            "# TYPE emulator_stored_responses gauge",
+            f"emulator_stored_responses{labels} {float(len(self.stored_responses))}",
             "# TYPE emulator_kv_leases_outstanding gauge",
             f"emulator_kv_leases_outstanding{labels} {float(len(self.leases))}",
             "# TYPE emulator_kv_leases_granted counter",

@@ -377,3 +377,37 @@ def test_discovery_without_the_key_is_the_prefill_workers_401(sg: Stack, tmp_pat
         response = post(stack, CHAT, chat_body(max_tokens=3), authorization=f"Bearer {WORKER_KEY}")
         assert_error(response, 401, "prefill_upstream_error")
         assert stack.decode.requests() == [] and stack.prefill.requests() == [], "discovery comes first"
+
+
+# --- SGLang's native /generate ------------------------------------------------------------------------
+
+NATIVE = "/generate"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["json", "sse"])
+def test_native_generate_is_served_by_distinct_prefill_and_decode_workers(sg: Stack, streamed: bool) -> None:
+    body = {"text": "The KV cache moves between workers", "sampling_params": {"max_new_tokens": 6}, "stream": streamed}
+    expected = "".join(text.generate(body["text"], 6))
+    if streamed:
+        response, raw = stream(sg, NATIVE, body)
+        assert_event_stream(response)
+        frames = [frame.removeprefix("data: ") for frame in raw.decode().split("\n\n") if frame]
+        assert frames[-1] == "[DONE]"
+        assert json.loads(frames[-2])["text"] == expected
+    else:
+        response = post(sg, NATIVE, body)
+        assert_served_by_decode(response)
+        assert response.json()["text"] == expected
+        assert response.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    prefill, decode = assert_both_roles_took_part(sg)
+    assert prefill["target"] == decode["target"] == NATIVE, "both legs on SGLang's own API"
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": sg.prefill.side_channel_port,
+              "bootstrap_room": decode["json"]["bootstrap_room"], "rid": decode["json"]["rid"]}
+    assert decode["json"] == {**body, **fields}
+    assert prefill["json"] == {**body, **fields, "stream": False}
+
+
+def test_native_generate_batch_is_refused_before_any_leg(sg: Stack) -> None:
+    error = assert_error(post(sg, NATIVE, {"text": ["one", "two"]}), 400, "unsupported_pd_variant")
+    assert error["param"] == "text"
+    assert sg.prefill.requests() == [] and sg.decode.requests() == []

@@ -141,7 +141,7 @@ def gateway_bootstrap(settings: Settings, picker: str, replicas: list[str]) -> d
             "routes": [_other_route(), _inference_route(settings)]}]},
         "http_filters": [
             picker_filter(),
-            gateway_guard_filter(),
+            gateway_guard_filter(settings.adapter),
             _pd_filter(settings),
             {"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER, "suppress_envoy_headers": True}},
         ],

@@ -153,19 +153,21 @@ def test_a_request_with_the_header_that_is_not_pd_passes_through_after_one_heade
     assert "x-prefiller-host-port" not in dict(only(gw.decode("decode-c").requests())["headers"])
 
 
-RESPONSES = "/v1/responses"
+# vLLM serves /v1/chat/completions/batch, several conversations in one request, which P/D cannot split
+# (PROTOCOL.md §3b): a path of the inference route that is not ours.
+NOT_PD = "/v1/chat/completions/batch"
 
 
 @pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host"])
 def test_a_tagged_request_that_is_not_pd_and_steers_the_engine_is_refused(gw: GatewayStack, field: str) -> None:
-    """The picker tagged a POST /v1/responses (an engine reads kv_transfer_params there too). The guard used
+    """The picker tagged a POST to a path that is not P/D (an engine may read kv_transfer_params there). The guard used
     to be skipped for every tagged request, and our server let a request that is not P/D through unseen:
     decode received the client's KV source. Now the guard is skipped only for what our server reads as P/D."""
     gw.pick("decode-a")
     body = {"model": "emulated", "input": "hi",
             field: {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
             if field == "kv_transfer_params" else "10.0.0.9"}
-    error = assert_error(post(gw, RESPONSES, body), 400, "reserved_request_field")
+    error = assert_error(post(gw, NOT_PD, body), 400, "reserved_request_field")
     assert error["param"] == field
     assert_nothing_reached_an_engine(gw)
 
@@ -177,7 +179,7 @@ def test_a_tagged_request_that_is_not_pd_reaches_decode_once_its_body_is_read(gw
     body = {"model": "emulated", "input": "hi"}
     streams = gw.pd_streams()
     passthroughs = gw.metric("pd_extproc_gateway_passthroughs_total")
-    post(gw, RESPONSES, body)
+    post(gw, NOT_PD, body)
     decoded = only(gw.decode("decode-b").requests())
     assert decoded["json"] == body and "x-prefiller-host-port" not in dict(decoded["headers"])
     assert gw.prefill.requests() == []
@@ -314,3 +316,19 @@ def test_the_picker_down_is_a_gateway_error_with_its_status_never_pd_extproc_una
         stack.replicas[0].child.stop(sig=signal.SIGKILL)
         assert_error(post(stack, CHAT, chat_body(max_tokens=2)), 500, "gateway_error")
         assert_nothing_reached_an_engine(stack)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"model": "emulated", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"model": "emulated", "input": "hi", "max_output_tokens": 4}),
+], ids=["messages", "responses"])
+def test_the_other_generation_apis_are_pd_in_gateway_mode_too(gw: GatewayStack, path: str,
+                                                               body: dict[str, Any]) -> None:
+    gw.pick(DECODES[0])
+    response = post(gw, path, body)
+    assert response.status_code == 200, response.text
+    prefill, decoded = only(gw.prefill.requests()), only(gw.decode(DECODES[0]).requests())
+    assert prefill["target"] == decoded["target"] == path
+    assert prefill["json"]["stream"] is False
+    assert decoded["json"] == {**body, "kv_transfer_params": prefill["notes"]["kv_transfer_params"]}
+    assert decoded["notes"]["load"] == "ok"

@@ -200,6 +200,9 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "PYTHONFAULTHANDLER": "1",  # a crash in a kernel shows up in the log with a stack
+        # Responses are stored where they run (openai/responses/serving.py enable_store): the stage checks
+        # that a P/D request's prefill leg stores none.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(WORKER_SITE_DIR), os.environ.get("PYTHONPATH", "")) if p),
         PROGRESS_DELAY_ENV: str(NIXL_PROGRESS_DELAY_US),
     }
@@ -213,6 +216,9 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         # asked the kernel for AMX tile permission). float32 uses the AVX-512/AVX2 kernel everywhere.
         "--dtype", "float32",
         "--kv-transfer-config", json.dumps(kv_config),
+        # /inference/v1/generate is served only with it (entrypoints/scale_out/factories.py
+        # register_scale_out_api_routers: 403 PermissionDeniedError otherwise).
+        "--enable-scale-out",
     ]
     child = process.Child(name, argv, env, log_dir)
     child.start()

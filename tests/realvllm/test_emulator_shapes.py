@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from pd_extproc_lab.emulator.worker import WorkerSpec, start_workers
@@ -155,3 +156,71 @@ def test_kv_load_failure_has_the_real_shape(real_pd: RealPd, emulated: EmulatedP
         assert (fake.status, fake.media_type) == (real.status, real.media_type) == (500, "application/json")
         assert fake.json() == real.json(), "the fail-policy error body is a fixed text"
     assert real_pd.decode.http.get("/health").status_code == 200, "decode stays healthy after a failed load"
+
+
+# --- the Messages, Responses and generate APIs ------------------------------------------------------------
+
+GEN_APIS = {
+    "/v1/messages": lambda model: {"model": model, "max_tokens": 8, "temperature": 0,
+                                   "messages": [{"role": "user", "content": "shape of a message"}]},
+    "/v1/responses": lambda model: {"model": model, "input": "shape of a response", "max_output_tokens": 8,
+                                    "temperature": 0, "store": False},
+    "/inference/v1/generate": lambda model: {"model": model, "token_ids": [5, 6, 7, 8],
+                                             "sampling_params": {"temperature": 0, "max_tokens": 8}},
+}
+
+
+def gen_api_legs(prefill: httpx.Client, decode: httpx.Client, path: str, body: dict[str, Any]) -> tuple[Reply, Reply]:
+    """Both legs by hand with the prefill body our adapter derives (vllm_apis.py)."""
+    from extproc.adapters.vllm_nixl import VllmNixlAdapter, prefill_body
+    from extproc.core.openai_request import parse_client_request
+
+    client = parse_client_request(path, "application/json", orjson.dumps(body), 1 << 20,
+                                  served=VllmNixlAdapter.endpoints)
+    first = send(prefill, path, prefill_body(client))
+    assert first.status == 200, first.body[:300]
+    return first, send(decode, path, {**body, "kv_transfer_params": first.json()["kv_transfer_params"]})
+
+
+@pytest.mark.parametrize("path", list(GEN_APIS), ids=["messages", "responses", "generate"])
+def test_the_other_apis_responses_have_the_real_shape(real_pd: RealPd, emulated: EmulatedPair, path: str) -> None:
+    """Prefill (with its handoff) and decode responses of each API, non-streaming: same keys and JSON types."""
+    body = GEN_APIS[path](real_pd.model)
+    real_pd.ledger.direct += 1
+    real = gen_api_legs(real_pd.prefill.http, real_pd.decode.http, path, body)
+    fake = gen_api_legs(emulated.prefill_http, emulated.decode_http, path, body)
+    for real_reply, fake_reply, what in ((real[0], fake[0], "prefill response"), (real[1], fake[1], "decode response")):
+        assert (fake_reply.status, fake_reply.media_type) == (real_reply.status, real_reply.media_type), what
+        assert_same_shape(real_reply.json(), fake_reply.json(), f"{path} {what}")
+
+
+def event_outline(raw: bytes) -> list[tuple[str | None, Any]]:
+    """Each SSE frame's event name and the shape of its data (``[DONE]`` as is); consecutive frames of
+    the same name and shape (the per-token deltas) count once."""
+    outline: list[tuple[str | None, Any]] = []
+    for frame in raw.decode().split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in frame.split("\n") if ": " in line)
+        data = lines.get("data", "")
+        item = (lines.get("event"), data if data == "[DONE]" else shape(orjson.loads(data)))
+        if not outline or outline[-1] != item:
+            outline.append(item)
+    return outline
+
+
+@pytest.mark.parametrize("path", list(GEN_APIS), ids=["messages", "responses", "generate"])
+def test_the_other_apis_streams_have_the_real_events(real_pd: RealPd, emulated: EmulatedPair, path: str) -> None:
+    """A streamed decode answer of each API: the same event names, in the same order, each with the same
+    data shape (the generated values aside)."""
+    body = {**GEN_APIS[path](real_pd.model), "stream": True}
+    real_pd.ledger.direct += 1
+    _, real = gen_api_legs(real_pd.prefill.http, real_pd.decode.http, path, body)
+    _, fake = gen_api_legs(emulated.prefill_http, emulated.decode_http, path, body)
+    assert (fake.status, fake.media_type) == (real.status, real.media_type) == (200, "text/event-stream")
+    real_outline, fake_outline = event_outline(real.body), event_outline(fake.body)
+    assert [name for name, _ in fake_outline] == [name for name, _ in real_outline], path
+    drift = [f"event {name}: " + shape_diff(real_shape, fake_shape, "real vLLM", "emulator")
+             for (name, real_shape), (_, fake_shape) in zip(real_outline, fake_outline, strict=True)
+             if real_shape != fake_shape]
+    assert not drift, f"{path}: the emulator drifted from vLLM\n" + "\n".join(drift)

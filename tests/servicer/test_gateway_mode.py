@@ -44,11 +44,11 @@ def test_an_untagged_request_gets_one_reply_that_turns_the_stream_off() -> None:
 
 
 _NOT_PD = pytest.mark.parametrize("method,path", [
-    ("POST", "/v1/responses"),           # not a P/D path
+    ("POST", "/cohere/v2/chat"),         # not a P/D path (vLLM reads kv_transfer_params there)
     ("POST", "/v1/embeddings"),
     ("GET", CHAT),                       # not a POST
     ("POST", "/v1/chat/completionsX"),   # the path must match whole
-], ids=["responses", "embeddings", "get", "path-suffix"])
+], ids=["cohere", "embeddings", "get", "path-suffix"])
 
 
 @_NOT_PD
@@ -149,7 +149,7 @@ def test_a_steering_member_spelled_with_escapes_is_refused_too(raw: bytes) -> No
     a \\u escape (as CPython's json decodes it for the engine)."""
     async def test(h: Harness) -> None:
         extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
-        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(raw))
+        responses = await h.exchange(headers_message("/cohere/v2/chat", extra), body_message(raw))
         assert error_of(responses[1]) == (400, "reserved_request_field")
 
     run(test, **GATEWAY)

@@ -173,9 +173,10 @@ def test_gateway_mode_checks_a_large_tagged_body_in_the_pool() -> None:
     async def test(h: Harness) -> None:
         extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
         steering = worst_shape_chat(64 << 10, b'"kv_transfer_params":{"remote_host":"10.0.0.9"},')
-        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(steering))
+        responses = await h.exchange(headers_message("/cohere/v2/chat", extra), body_message(steering))
         assert error_of(responses[1]) == (400, "reserved_request_field")
-        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(worst_shape_chat(64 << 10)))
+        clean = worst_shape_chat(64 << 10)
+        responses = await h.exchange(headers_message("/cohere/v2/chat", extra), body_message(clean))
         assert responses[1].WhichOneof("response") == "request_body"
         assert h.server.processor.inspector.offloaded == 2
         assert h.prefill.control.records == []

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.sglang_models
 PYTHON = Path(os.environ.get("PD_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
 OURS = (*BOOTSTRAP_FIELDS, RID, "stream")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
@@ -41,6 +42,10 @@ CLIENT_BODIES = [
     (COMPLETIONS, {"model": "m", "prompt": "The KV cache is", "max_tokens": 8}),
     (COMPLETIONS, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "stream": True}),
     (COMPLETIONS, {"model": "m", "prompt": ["one prompt"], "stream": True, "stream_options": {"include_usage": True}}),
+    (GENERATE, {"text": "The KV cache is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}),
+    (GENERATE, {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, "n": 1}, "stream": True}),
+    (GENERATE, {"text": "The KV cache is", "return_logprob": True, "stream": False}),
+    (GENERATE, {"text": "The KV cache is", "sampling_params": {"max_new_tokens": 8}, "bootstrap_room": None}),
 ]
 TARGETS = [parse_prefill_target(["10.0.0.7:30000"]), parse_prefill_target(["[fd00::7]:30000"])]
 
@@ -61,7 +66,8 @@ def adapter_bodies() -> list[tuple[str, str, str, dict[str, Any]]]:
     found = []
     for case, (path, client) in enumerate(CLIENT_BODIES):
         for target in TARGETS:
-            request = parse_client_request(path, "application/json", json.dumps(client).encode(), 1 << 20)
+            request = parse_client_request(path, "application/json", json.dumps(client).encode(), 1 << 20,
+                                           served=SglangAdapter.endpoints)
             plan = adapter.plan(request, PlanInput(target, nonce=(case + 1) * 7919))
             found.append(("prefill", path, f"{case}-{target.host}", json.loads(plan.prefill_body)))
             found.append(("decode", path, f"{case}-{target.host}", json.loads(plan.decode.body)))
@@ -96,5 +102,7 @@ def test_sglang_accepts_every_body_we_send_and_keeps_every_field_we_add(
 def test_the_models_refuse_what_we_never_send() -> None:
     """The check can fail: SGLang's models refuse a float room and an integer rid."""
     bad = [{"path": CHAT, "body": {"messages": MESSAGES, "bootstrap_room": 1.5}},
-           {"path": COMPLETIONS, "body": {"prompt": "p", "rid": 5}}]
-    assert [verdict["ok"] for verdict in sglang_validate(bad)] == [False, False]
+           {"path": COMPLETIONS, "body": {"prompt": "p", "rid": 5}},
+           {"path": GENERATE, "body": {"text": "p", "bootstrap_room": "7"}},
+           {"path": GENERATE, "body": {"text": "p", "sampling_params": {"max_tokens": 8}}}]
+    assert [verdict["ok"] for verdict in sglang_validate(bad)] == [False, False, False, False]

@@ -1,5 +1,7 @@
 """Run by the SGLang virtualenv (.venv-sglang), not by pytest: validate request bodies with SGLang
-0.5.23's own pydantic models (``sglang.srt.entrypoints.openai.protocol``).
+0.5.23's own pydantic models (``sglang.srt.entrypoints.openai.protocol``) and, for ``/generate``, its JSON
+contract (``sglang.api.v1.api_types.GenerateRequest``, which ``srt/entrypoints/api_contract.py``
+``generate_contract_error`` applies to every /generate body before serving it).
 
 Importing any ``sglang`` module runs ``sglang/__init__.py``, which imports torch and triton; the
 request models need neither. So the three parent packages are registered as bare namespace modules
@@ -23,7 +25,8 @@ def load_models() -> tuple[type, type]:
     spec = find_spec("sglang")
     assert spec is not None and spec.submodule_search_locations, "sglang is not installed in this interpreter"
     root = Path(next(iter(spec.submodule_search_locations)))
-    for name, sub in (("sglang", ""), ("sglang.srt", "srt"), ("sglang.srt.entrypoints", "srt/entrypoints")):
+    for name, sub in (("sglang", ""), ("sglang.srt", "srt"), ("sglang.srt.entrypoints", "srt/entrypoints"),
+                      ("sglang.api", "api"), ("sglang.api.v1", "api/v1")):
         module = types.ModuleType(name)
         module.__path__ = [str(root / sub)]
         sys.modules[name] = module
@@ -35,12 +38,31 @@ def load_models() -> tuple[type, type]:
     return ChatCompletionRequest, CompletionRequest
 
 
+def generate_verdict(body: dict[str, object]) -> dict[str, object]:
+    """The /generate contract's verdict: msgspec structs, unknown top-level keys ignored (so reported as
+    dropped), unknown sampling_params keys refused."""
+    import msgspec
+    from sglang.api.v1.api_types import GenerateRequest, JsonContractError
+
+    try:
+        request = GenerateRequest.from_json_value(body)
+    except JsonContractError as error:
+        return {"ok": False, "error": str(error), "fields": [], "dropped": [], "values": {}}
+    fields = set(GenerateRequest.__struct_fields__)
+    dropped = sorted(key for key in body if key not in fields)
+    return {"ok": True, "error": "", "fields": sorted(fields), "dropped": dropped,
+            "values": {key: msgspec.to_builtins(getattr(request, key)) for key in body if key in fields}}
+
+
 def main() -> None:
     from pydantic import ValidationError
 
     chat, completions = load_models()
     results = []
     for item in json.load(sys.stdin):
+        if item["path"] == "/generate":
+            results.append(generate_verdict(item["body"]))
+            continue
         model = chat if item["path"] == "/v1/chat/completions" else completions
         body = item["body"]
         try:

@@ -33,7 +33,7 @@ class FakeTrace:
     def end_prefill(self, status: int | None) -> None:
         self.prefill_open = False
 
-    def finish(self, adapter: str, outcome: str, status: int) -> None:
+    def finish(self, adapter: str, outcome: str, status: int, api: str = "other") -> None:
         self.finished.append((outcome, status))
 
 
