@@ -94,6 +94,11 @@ class EmulatedWorker:
         """Queue one behaviour per next request; a behaviour key the emulator does not know is an error."""
         self._ok("POST", "/_emulator/script", {"behaviours": list(behaviours)})
 
+    def release(self) -> int:
+        """Let every request a ``hold`` behaviour holds go on; how many there were."""
+        released: int = orjson.loads(self._ok("POST", "/_emulator/release", {}))["released"]
+        return released
+
     def info(self) -> dict[str, Any]:
         result: dict[str, Any] = orjson.loads(self._ok("GET", "/_emulator/info"))
         return result
