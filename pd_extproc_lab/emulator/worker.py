@@ -113,8 +113,9 @@ class EmulatedWorker:
     def raw_body(self, seq: int) -> bytes:
         return self._ok("GET", f"/_emulator/requests/{seq}/body")
 
-    def wait(self, outcome: str, count: int = 1, timeout: float = 15) -> bool:
-        """Block until ``count`` requests have ``outcome`` (pending, answered, disconnected, ...)."""
+    def wait(self, outcome: str, count: int = 1, timeout: float = 60) -> bool:
+        """Block until ``count`` requests have ``outcome`` (pending, answered, disconnected, ...); the
+        answer comes as soon as they do, so ``timeout`` only bounds a wait that fails."""
         status, _ = self.call("GET", "/_emulator/wait", query={"outcome": outcome, "count": count,
                                                                "timeout": timeout}, timeout=timeout + 5)
         return status == 200

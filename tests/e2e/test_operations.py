@@ -156,9 +156,9 @@ def capped_stack() -> Iterator[Stack]:
 
 
 async def hold_both_slots(stack: Stack, client: httpx.AsyncClient) -> list[asyncio.Future[httpx.Response]]:
-    """Two P/D requests parked at a slow prefill (3 s each): both admission slots taken until they end."""
+    """Two P/D requests held at prefill until the test releases them: both admission slots taken."""
     stack.reset()
-    stack.prefill.script({"delay": 3}, {"delay": 3})
+    stack.prefill.script({"hold": True}, {"hold": True})
     held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers()))
             for _ in range(2)]
     assert await asyncio.to_thread(stack.prefill.wait, "pending", 2)
@@ -172,6 +172,7 @@ def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
         async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
             held = await hold_both_slots(capped_stack, client)
             shed = [await client.post(CHAT, json=chat_body(), headers=capped_stack.pd_headers()) for _ in range(3)]
+            assert await asyncio.to_thread(capped_stack.prefill.release) == 2
             return list(await asyncio.gather(*held)), shed
 
     held, shed = asyncio.run(run())
@@ -200,6 +201,7 @@ def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_
                               if line.lower().startswith(b"content-length:")))
             reply = head + await reader.readexactly(length)
             writer.close()
+            assert await asyncio.to_thread(capped_stack.prefill.release) == 2
             return list(await asyncio.gather(*held)), reply
 
     held, reply = asyncio.run(run())
@@ -212,7 +214,8 @@ def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_
 
 @pytest.fixture
 def draining_stack() -> Iterator[Stack]:
-    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "10s"}, grpc_unix=True) as stack:
+    # The drain ends when the held request does; its timeout only bounds a test that went wrong.
+    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "120s"}, grpc_unix=True) as stack:
         yield stack
 
 
@@ -232,7 +235,7 @@ def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
 
     assert health() == health_pb2.HealthCheckResponse.SERVING
     assert httpx.get(draining_stack.metrics_url + "/readyz").status_code == 200
-    draining_stack.prefill.script({"delay": 3})
+    draining_stack.prefill.script({"hold": True})
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=draining_stack.url, timeout=30) as client:
@@ -245,6 +248,7 @@ def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
             assert await asyncio.to_thread(health) == health_pb2.HealthCheckResponse.NOT_SERVING
             liveness = await client.get(draining_stack.metrics_url + "/healthz")
             assert liveness.status_code == 200
+            assert await asyncio.to_thread(draining_stack.prefill.release) == 1
             return await inflight
 
     try:

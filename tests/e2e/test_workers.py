@@ -149,7 +149,7 @@ def test_one_inflight_limit_across_both_workers(workers_stack: Stack) -> None:
     overloaded_before = count(scrape(stack), OVERLOADED)
     with stack.client() as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = pool.submit(client.post, CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers())
-        assert stack.prefill.wait("pending", 1, timeout=60), "the held request reached prefill"
+        assert stack.prefill.wait("pending", 1), "the held request reached prefill"
         for socket_path in worker_sockets(stack):
             shed_directly(stack, socket_path)
         assert_error(post(stack, CHAT, chat_body()), 503, "pd_overloaded")
@@ -193,7 +193,7 @@ def test_sigterm_drains_every_worker_and_the_supervisor_exits_0() -> None:
             async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
                 held = asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2),
                                                          headers=stack.pd_headers()))
-                assert await asyncio.to_thread(stack.prefill.wait, "pending", 1, 60)
+                assert await asyncio.to_thread(stack.prefill.wait, "pending", 1)
                 supervisor.send_signal(signal.SIGTERM)
                 ready = await asyncio.to_thread(
                     eventually, lambda: httpx.get(stack.metrics_url + "/readyz", timeout=5).status_code == 503)
