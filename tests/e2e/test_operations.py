@@ -25,7 +25,6 @@ from extproc.app import EXT_PROC_SERVICE
 from extproc.config import load_settings
 from extproc.envoy.bootstrap import render_yaml
 from pd_extproc_lab import stack as stack_module
-from pd_extproc_lab.process import free_port
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
 from tests.helpers import (
     CHAT,
@@ -39,6 +38,7 @@ from tests.helpers import (
     scrape,
     stream,
 )
+from tests.ports import unused_ports
 
 pytestmark = pytest.mark.dataplane
 
@@ -130,9 +130,9 @@ def test_envoy_times_the_first_token_at_decodes_first_event_not_its_response_hea
 def test_the_stats_listener_serves_only_envoys_prometheus_page() -> None:
     """PD_EXTPROC_ENVOY_STATS_LISTEN: a scraper gets the P/D histograms without the admin port, and
     nothing else of the admin API (which could stop Envoy) is reachable through it."""
-    stats_port = free_port()
+    stats_port, admin_port = unused_ports(2)
     env = {"PD_EXTPROC_ENVOY_STATS_LISTEN": f"127.0.0.1:{stats_port}",
-           "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{free_port()}"}
+           "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{admin_port}"}
     with running_stack(env) as stack:
         request_id = "5a1e0000-0000-4000-8000-000000005747"
         assert post(stack, CHAT, chat_body(max_tokens=2), **{"x-request-id": request_id}).status_code == 200

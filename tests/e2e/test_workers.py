@@ -28,6 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from tests.ext_proc_messages import body_message, error_of, exchange, headers_message
 from tests.harness import Stack, running_stack
 from tests.helpers import CHAT, assert_error, chat_body, eventually, post, scrape
+from tests.ports import candidate
 
 pytestmark = pytest.mark.dataplane
 
@@ -243,10 +244,14 @@ def test_zero_workers_is_refused_with_a_clear_error() -> None:
 
 @contextlib.contextmanager
 def taken_port_after_a_free_one() -> Iterator[int]:
-    """A port something listens on, whose predecessor is free (worker 0's, so worker 1 is the one that fails)."""
+    """A port something listens on, whose predecessor is free (worker 0's, so worker 1 is the one that fails);
+    both below the ephemeral range, where no outgoing connection can take the free one (tests/ports.py)."""
     for _ in range(50):
         with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
+            try:
+                taken.bind(("127.0.0.1", candidate()))
+            except OSError:
+                continue
             taken.listen(1)
             port: int = taken.getsockname()[1]
             with socket.socket() as probe:
