@@ -217,7 +217,8 @@ def test_sigterm_drains_every_worker_and_the_supervisor_exits_0() -> None:
 def test_the_decode_queue_is_read_once_and_sheds_on_every_worker() -> None:
     """Worker 0 reads the decode worker's queue; worker 1 sheds from the same reading (the shared
     block); the supervisor's /metrics shows the one reading. Each worker is reached on its own socket."""
-    env = {"PD_EXTPROC_WORKERS": "2", "PD_EXTPROC_DECODE_QUEUE_LIMIT": "4", "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "100ms"}
+    # 1 s: a scrape is bounded by the interval and a reading ages out after three (test_decode_queue.py).
+    env = {"PD_EXTPROC_WORKERS": "2", "PD_EXTPROC_DECODE_QUEUE_LIMIT": "4", "PD_EXTPROC_DECODE_QUEUE_INTERVAL": "1s"}
     with running_stack(env, grpc_unix=True) as stack:
         assert stack.decode.call("POST", "/_emulator/gauges", {"vllm:num_requests_waiting": 9})[0] == 200
         assert eventually(lambda: scrape(stack).get("pd_extproc_decode_queue_waiting") == 9)
