@@ -6,9 +6,9 @@ every failure counted per test (docs/testing.md has the target and its last coun
 Each round runs pytest once over the paths (default: tests/e2e, which holds tests/e2e/test_workers.py,
 tests/gateway and tests/soak) with a JUnit report; a failed round never stops the next one. A busy-loop
 Python process (``--hogs``, default 1) competes for the CPU for the whole run: it is started here and
-killed here, by its own process id. The summary (summary.md and summary.json in ``--out``) lists each test
-that failed at least once with its count and the rounds it failed in, and how long each round took. The
-exit status is 1 when any round had a failure, so a CI job can run it too.
+killed here, by its own process id. The summary (summary.md and summary.json in ``--out``, rewritten after
+each round) lists each test that failed at least once with its count and the rounds it failed in, and how
+long each round took. The exit status is 1 when any round had a failure, so a CI job can run it too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or args.hogs < 0:
         parser.error("--rounds must be positive and --hogs not negative")
     args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM ends the run like Ctrl-C: the round's pytest and the busy loops are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(128 + signal.SIGTERM))
     rounds: list[Round] = []
     with cpu_hogs(args.hogs) as pids:
         print(f"stress: {args.rounds} rounds of pytest {' '.join(pytest_args)}; busy loops {pids}", flush=True)
@@ -114,12 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds.append(done)
             print(f"stress: round {index}: {done.tests} tests, {len(done.failed)} failed, "
                   f"{done.seconds / 60:.1f} min" + "".join(f"\n  {test}" for test in done.failed), flush=True)
-    text = summary_markdown(rounds, args.hogs, pytest_args)
-    (args.out / "summary.md").write_text(text)
-    (args.out / "summary.json").write_text(json.dumps(
-        {"hogs": args.hogs, "pytest_args": pytest_args, "rounds": [dataclasses.asdict(r) for r in rounds]}, indent=2))
-    print(text, end="")
+            write_summary(args.out, rounds, args.hogs, pytest_args)  # after each round: a cut-short run keeps it
+    print((args.out / "summary.md").read_text(), end="")
     return 1 if any(done.failed for done in rounds) else 0
+
+
+def write_summary(out: Path, rounds: Sequence[Round], hogs: int, pytest_args: Sequence[str]) -> None:
+    (out / "summary.md").write_text(summary_markdown(rounds, hogs, pytest_args))
+    (out / "summary.json").write_text(json.dumps(
+        {"hogs": hogs, "pytest_args": list(pytest_args), "rounds": [dataclasses.asdict(r) for r in rounds]},
+        indent=2))
 
 
 if __name__ == "__main__":
