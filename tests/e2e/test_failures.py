@@ -30,8 +30,8 @@ SHORT = {
     "PD_EXTPROC_PREFILL_CONNECT_TIMEOUT": "1s",
     "PD_EXTPROC_PREFILL_READ_TIMEOUT": "5s",
     "PD_EXTPROC_PREFILL_DEADLINE": "6s",
-    "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "9s",
-    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": "4s",
+    "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "7500ms",  # more than 1 s over the deadline (config.py's rule)
+    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": "8s",  # over the message timeout (the same rule)
     "PD_EXTPROC_CLIENT_BODY_TIMEOUT": "2s",
 }
 
