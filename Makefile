@@ -178,6 +178,15 @@ soak: install
 	nice -n 10 $(BIN)/python -m bench.soak --engine $(SOAK_ENGINE) --minutes $(SOAK_MINUTES) --rate $(SOAK_RATE) \
 		--seed 27 --json bench/soak-$(SOAK_ENGINE).json
 
+# The flake hunt (docs: tests/stress.py, counts: docs/testing.md): tests/e2e (with tests/e2e/test_workers.py),
+# tests/gateway and the short soak, STRESS_N rounds in a row under a busy-loop process the target starts and
+# kills; a failing round never stops the next; the summary is $(STRESS_OUT)/summary.md. Not in `make test`.
+STRESS_N ?= 10
+STRESS_OUT ?= .cache/stress
+.PHONY: stress
+stress: install
+	$(BIN)/python -m tests.stress --rounds $(STRESS_N) --out $(STRESS_OUT) $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(GUARD_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
 		$(TINY_MODEL) deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \

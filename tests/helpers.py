@@ -3,14 +3,15 @@ legs received and what our server counted, and waiting for an observable conditi
 
 from __future__ import annotations
 
+import functools
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from pd_extproc_lab.process import free_port
 from tests.harness import Stack
 
 CHAT = "/v1/chat/completions"
@@ -129,9 +130,10 @@ def envoy_histogram(stack: Stack, name: str) -> dict[str, tuple[float, float]]:
     return {labels: (count, sums.get(labels, 0.0)) for labels, count in counts.items()}
 
 
-def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
+def eventually(condition: Callable[[], bool], within: float = 60.0) -> bool:
     """Poll an observable condition (bookkeeping that finishes after the client's answer) until it
-    holds or ``within`` seconds pass."""
+    holds or ``within`` seconds pass. A passing test waits only as long as the condition takes, so the
+    bound is what a loaded machine may need, not what an idle one does."""
     deadline = time.monotonic() + within
     while not condition():
         if time.monotonic() > deadline:
@@ -140,9 +142,18 @@ def eventually(condition: Callable[[], bool], within: float = 10.0) -> bool:
     return True
 
 
+@functools.cache
+def _refusing_socket() -> socket.socket:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.bind(("127.0.0.1", 0))
+    return probe
+
+
 def closed_port() -> int:
-    """A loopback port with nothing listening on it (bound, then released)."""
-    return free_port()
+    """A loopback port that refuses every connection: bound, never listening, and held for the whole
+    test run, so nothing else on the machine can take it (a port bound then released could be given to
+    any process, or as the source port of an outgoing connection, before the test connects)."""
+    return int(_refusing_socket().getsockname()[1])
 
 
 def sse_events(raw: str) -> list[str]:

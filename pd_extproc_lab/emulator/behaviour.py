@@ -40,6 +40,7 @@ def _accepts(annotation: Any, value: Any) -> bool:
 class Behaviour:
     delay: float | None = None  # seconds before anything else
     hang: bool = False  # never answer
+    hold: bool = False  # wait until a test posts /_emulator/release (a request in flight for as long as it needs)
     status: int | None = None  # answer this error status in the engine's own error shape
     close: bool = False  # drop the connection at once
 

@@ -38,11 +38,15 @@ def include_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-async def misbehave(behaviour: Behaviour, error: Callable[[int, str], Response]) -> Reply | None:
-    """Scripted failures before any normal processing: ``delay`` (seconds), ``hang``, ``status``
-    (answered with the engine's own error shape), ``close`` (the connection drops at once)."""
+async def misbehave(control: Control[Any], behaviour: Behaviour, error: Callable[[int, str], Response]
+                    ) -> Reply | None:
+    """Scripted failures before any normal processing: ``delay`` (seconds), ``hold`` (until released),
+    ``hang``, ``status`` (answered with the engine's own error shape), ``close`` (the connection drops at
+    once)."""
     if behaviour.delay is not None:
         await asyncio.sleep(behaviour.delay)
+    if behaviour.hold:
+        await control.held()
     if behaviour.hang:
         await asyncio.Event().wait()
     if behaviour.status is not None:

@@ -9,7 +9,9 @@ Control endpoints (never recorded):
   POST /_emulator/script                   {"behaviours": [...]}: one behaviour per next request, FIFO;
                                            400 naming the key when one is not the emulator's (behaviour.py)
   POST /_emulator/gauges                   {"name": value, ...}: what the engine's queue gauges report
-  POST /_emulator/reset                    forget requests, script and gauges (counters stay cumulative)
+  POST /_emulator/release                  answer every request a ``hold`` behaviour holds now: {"released": N}
+  POST /_emulator/reset                    forget requests, script and gauges (counters stay cumulative); release
+                                           every held request
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class Control(Generic[B]):
         self.gauges: dict[str, float] = {}  # set by tests: the engine's own waiting-queue gauges
         self._changed = asyncio.Condition()
         self._seq = 0
+        self._release = asyncio.Event()  # set (then replaced) by each release: what held requests wait for
+        self._holding = 0
 
     def record(self, request: Request) -> Received:
         self._seq += 1
@@ -109,6 +113,22 @@ class Control(Generic[B]):
             received.notes["behaviour"] = behaviour.given()
         return behaviour
 
+    async def held(self) -> None:
+        """Wait for the next release (a ``hold`` behaviour): a test decides when the request goes on."""
+        release = self._release
+        self._holding += 1
+        try:
+            await release.wait()
+        finally:
+            self._holding -= 1
+
+    def release(self) -> int:
+        """Let every held request go on; how many there were."""
+        released = self._holding
+        self._release.set()
+        self._release = asyncio.Event()
+        return released
+
     def _notify(self) -> None:
         async def notify() -> None:
             async with self._changed:
@@ -146,7 +166,10 @@ class Control(Generic[B]):
             self.records.clear()
             self.script.clear()
             self.gauges.clear()
+            self.release()
             return Response(200, b"{}")
+        if path == "release" and request.method == "POST":
+            return Response(200, orjson.dumps({"released": self.release()}))
         if path == "gauges" and request.method == "POST":
             values = orjson.loads(request.body)
             if not isinstance(values, dict) or not all(isinstance(v, int | float) for v in values.values()):

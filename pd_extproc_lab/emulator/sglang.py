@@ -244,7 +244,7 @@ class SglangEmulator:
 
     async def _generate(self, request: Request, received: Received) -> Reply:
         behaviour = self.control.next_behaviour(received)
-        misbehaviour = await common.misbehave(behaviour, lambda status, message: error_response(
+        misbehaviour = await common.misbehave(self.control, behaviour, lambda status, message: error_response(
             status, message, str(status)))
         if misbehaviour is not None:
             return misbehaviour

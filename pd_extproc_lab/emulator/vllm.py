@@ -309,6 +309,8 @@ class VllmEmulator:
         """Scripted failures, before any normal processing."""
         if behaviour.delay is not None:
             await asyncio.sleep(behaviour.delay)
+        if behaviour.hold:
+            await self.control.held()
         if behaviour.hang:
             await asyncio.Event().wait()
         if behaviour.status is not None:

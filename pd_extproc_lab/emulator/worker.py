@@ -94,6 +94,11 @@ class EmulatedWorker:
         """Queue one behaviour per next request; a behaviour key the emulator does not know is an error."""
         self._ok("POST", "/_emulator/script", {"behaviours": list(behaviours)})
 
+    def release(self) -> int:
+        """Let every request a ``hold`` behaviour holds go on; how many there were."""
+        released: int = orjson.loads(self._ok("POST", "/_emulator/release", {}))["released"]
+        return released
+
     def info(self) -> dict[str, Any]:
         result: dict[str, Any] = orjson.loads(self._ok("GET", "/_emulator/info"))
         return result
@@ -108,8 +113,9 @@ class EmulatedWorker:
     def raw_body(self, seq: int) -> bytes:
         return self._ok("GET", f"/_emulator/requests/{seq}/body")
 
-    def wait(self, outcome: str, count: int = 1, timeout: float = 15) -> bool:
-        """Block until ``count`` requests have ``outcome`` (pending, answered, disconnected, ...)."""
+    def wait(self, outcome: str, count: int = 1, timeout: float = 60) -> bool:
+        """Block until ``count`` requests have ``outcome`` (pending, answered, disconnected, ...); the
+        answer comes as soon as they do, so ``timeout`` only bounds a wait that fails."""
         status, _ = self.call("GET", "/_emulator/wait", query={"outcome": outcome, "count": count,
                                                                "timeout": timeout}, timeout=timeout + 5)
         return status == 200

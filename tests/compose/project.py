@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from pd_extproc_lab.process import free_port
 from tests.compose.commands import DOWN, PORT_VARIABLES, Compose, Http
+from tests.ports import unused_ports
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "pd-extproc"  # the compose file's `name`
@@ -86,7 +86,8 @@ class Ran:
 @dataclass
 class ComposeProject:
     engine: str  # PD_ENGINE: vllm, sglang or trtllm
-    ports: dict[str, int] = field(default_factory=lambda: {name: free_port() for name in PORT_VARIABLES})
+    ports: dict[str, int] = field(default_factory=lambda: dict(zip(PORT_VARIABLES, unused_ports(len(PORT_VARIABLES)),
+                                                                   strict=True)))
     compose: tuple[str, ...] = field(default_factory=compose_command)
     history: list[Ran] = field(default_factory=list)
     overrides: tuple[str, ...] = ()  # compose files merged over envoy/docker-compose.yaml (-f each)

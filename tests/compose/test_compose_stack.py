@@ -34,7 +34,11 @@ pytestmark = pytest.mark.compose
 ADAPTERS = {"vllm": "vllm_nixl", "sglang": "sglang", "trtllm": "trtllm"}
 # A decode worker's own answer to a plain request: SGLang's PD decode refuses one without a bootstrap room.
 PASSTHROUGH_STATUS = {"vllm": 200, "sglang": 400, "trtllm": 200}
-SLOW_PREFILL = {"delay": 3}  # seconds the prefill worker holds the next request: a request in flight
+# The prefill worker holds the next request: a request in flight. Held until the test releases it where
+# the test can observe the drain (the server's /readyz); for Envoy's drain, which the test cannot observe
+# from outside, for a few seconds (a slow stop makes the request finish first: the test then still passes).
+HELD_PREFILL = {"hold": True}
+SLOW_PREFILL = {"delay": 3}
 
 
 def decode_transfers(stack: ComposeProject) -> float:
@@ -70,10 +74,10 @@ def status_of(stack: ComposeProject, service: str) -> str:
     return line.split(" ", 1)[1]
 
 
-def in_flight(stack: ComposeProject) -> Future[httpx.Response]:
-    """README's P/D request, sent in the background and held by the prefill worker for a few seconds."""
+def in_flight(stack: ComposeProject, behaviour: dict[str, Any]) -> Future[httpx.Response]:
+    """README's P/D request, sent in the background and held by the prefill worker (``behaviour``)."""
     with stack.prefill() as prefill:
-        prefill.post("/_emulator/script", json={"behaviours": [SLOW_PREFILL]}).raise_for_status()
+        prefill.post("/_emulator/script", json={"behaviours": [behaviour]}).raise_for_status()
         executor = ThreadPoolExecutor(max_workers=1)
         future = executor.submit(stack.send, PD_REQUEST, 60.0)
         executor.shutdown(wait=False)
@@ -159,11 +163,13 @@ def test_health_and_metrics_answer_on_the_published_ports(stack: ComposeProject)
 def test_stopping_pd_extproc_lets_the_request_in_flight_finish(stack: ComposeProject) -> None:
     """SIGTERM to the pd-extproc container: it leaves readiness, refuses new P/D requests, finishes
     the one in flight and exits 0; Envoy keeps serving passthrough traffic; `start` brings it back."""
-    pending = in_flight(stack)
+    pending = in_flight(stack, HELD_PREFILL)
     stopping = run_in_background(stack, STOP_SERVER)
-    poll(lambda: stack.answers("metrics", "/readyz", 503), 10, "/readyz 503 while draining")
+    poll(lambda: stack.answers("metrics", "/readyz", 503), 60, "/readyz 503 while draining")
     late = stack.send(PD_REQUEST)
     assert_error(late, 503, "pd_shutting_down", "pd_extproc_unavailable")
+    with stack.prefill() as prefill:
+        assert prefill.post("/_emulator/release").json() == {"released": 1}
     finished = pending.result(timeout=60)
     assert_served_by_both_legs(stack, finished)
     stopping.result(timeout=120)
@@ -179,7 +185,7 @@ def test_stopping_pd_extproc_lets_the_request_in_flight_finish(stack: ComposePro
 def test_stopping_envoy_drains_and_down_leaves_nothing(stack: ComposeProject) -> None:
     """README's last two steps: `stop envoy` while a request is in flight (it finishes), then `down`:
     no container or network of the project is left and the published ports are free again."""
-    pending = in_flight(stack)
+    pending = in_flight(stack, SLOW_PREFILL)
     stopped = stack.run(STOP_ENVOY)
     finished = pending.result(timeout=60)
     assert finished.status_code == 200, finished.text

@@ -21,9 +21,9 @@ import pytest
 
 from extproc.envoy.bootstrap import render_yaml
 from extproc.units import parse_address
-from pd_extproc_lab.process import free_port
 from tests.harness import Stack, running_stack
 from tests.helpers import CHAT, chat_body
+from tests.ports import unused_port
 
 pytestmark = pytest.mark.dataplane
 
@@ -44,7 +44,7 @@ def _refused_by_pd_extproc(url: str) -> bool:
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_envoy_exits_0(runner_stack: Stack) -> None:
-    port = free_port()
+    port = unused_port()
     settings = dataclasses.replace(runner_stack.settings, listen=parse_address(f"127.0.0.1:{port}"))
     config = runner_stack.log_dir / "runner-envoy.yaml"
     config.write_text(render_yaml(settings))

@@ -1,7 +1,9 @@
 """C16-C30: failure semantics, limits, cancellation, shutdown and addressing, through a real Envoy.
 
 Every failure test asserts the next leg was not dispatched. Timeouts here are short settings on
-dedicated stacks, so a misclassified failure cannot pass by waiting: each expiry has its own code.
+dedicated stacks, so a misclassified failure cannot pass by waiting: each expiry has its own code. They
+are short, not tight: a prefill worker that answers at once must never trip them on a loaded machine
+(5 s to read, 6 s in all), so only a worker scripted to stall does.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ pytestmark = pytest.mark.dataplane
 
 SHORT = {
     "PD_EXTPROC_PREFILL_CONNECT_TIMEOUT": "1s",
-    "PD_EXTPROC_PREFILL_READ_TIMEOUT": "1s",
-    "PD_EXTPROC_PREFILL_DEADLINE": "2s",
-    "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "3500ms",
-    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": "4s",
+    "PD_EXTPROC_PREFILL_READ_TIMEOUT": "5s",
+    "PD_EXTPROC_PREFILL_DEADLINE": "6s",
+    "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "7500ms",  # more than 1 s over the deadline (config.py's rule)
+    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": "8s",  # over the message timeout (the same rule)
     "PD_EXTPROC_CLIENT_BODY_TIMEOUT": "2s",
 }
 
@@ -146,7 +148,7 @@ def test_prefill_stall_is_a_timeout_not_a_protocol_error(short: Stack, behaviour
 
 
 def test_prefill_deadline_bounds_a_dripping_peer(short: Stack) -> None:
-    """C19: a byte every 400 ms never trips the 1 s read timeout, but the 2 s total deadline ends it."""
+    """C19: a byte every 400 ms never trips the 5 s read timeout, but the 6 s total deadline ends it."""
     short.prefill.script({"drip_interval": 0.4})
     assert_error(post(short, CHAT, chat_body()), 504, "prefill_upstream_timeout")
     assert short.decode.requests() == []
@@ -156,6 +158,7 @@ def test_malformed_prefill_body_that_ends_at_once_is_a_protocol_error(short: Sta
     """C19: a broken body that ends immediately stays a 502 protocol error, not a timeout."""
     short.prefill.script({"raw_body": "{oops"})
     assert_error(post(short, CHAT, chat_body()), 502, "prefill_response_not_json")
+    assert short.decode.requests() == []
 
 
 # --- C18: request size ------------------------------------------------------------------------------
@@ -277,7 +280,8 @@ def test_c22_client_gone_while_prefill_pending_cancels_prefill_and_never_decodes
     asyncio.run(start_then_abandon(stack, chat_body(), lambda: stack.prefill.wait("pending")))
     assert stack.prefill.wait("disconnected"), "the prefill request must be cancelled"
     assert stack.decode.requests() == [], "the decode leg must not run"
-    assert "cancelled" in stack.server_log()
+    # The server logs after it cancelled the prefill call: the worker may see the close first.
+    assert eventually(lambda: "cancelled" in stack.server_log()), "the cancellation is logged"
 
 
 def test_c23_client_gone_while_handoff_read_is_parked_never_decodes(stack: Stack) -> None:
@@ -395,6 +399,13 @@ def unix_stack() -> Iterator[Stack]:
         yield stack
 
 
+@pytest.fixture
+def long_drain_stack() -> Iterator[Stack]:
+    """A drain that ends when the held request does: its timeout only bounds a test that went wrong."""
+    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "120s"}, grpc_unix=True) as stack:
+        yield stack
+
+
 def test_server_down_fails_closed_with_json_503_and_recovers(unix_stack: Stack) -> None:
     """Our server gone: P/D requests get a JSON 503 (never a decode without a handoff), passthrough
     keeps serving, and P/D recovers by itself once the server is back."""
@@ -405,14 +416,15 @@ def test_server_down_fails_closed_with_json_503_and_recovers(unix_stack: Stack) 
     with unix_stack.client() as client:
         assert client.post(COMPLETIONS, json={"prompt": "x"}).status_code == 200
     unix_stack.start_server()
-    assert eventually(lambda: post(unix_stack, CHAT, chat_body(max_tokens=2)).status_code == 200, within=20)
+    assert eventually(lambda: post(unix_stack, CHAT, chat_body(max_tokens=2)).status_code == 200)
 
 
-def test_drain_finishes_in_flight_requests_and_refuses_new_ones(unix_stack: Stack) -> None:
-    """SIGTERM: the in-flight request completes, a new P/D request is refused with a JSON 503,
-    the server exits cleanly."""
+def test_drain_finishes_in_flight_requests_and_refuses_new_ones(long_drain_stack: Stack) -> None:
+    """SIGTERM: the in-flight request (held at prefill until the late one is refused) completes, a new
+    P/D request is refused with a JSON 503, the server exits cleanly."""
+    unix_stack = long_drain_stack
     assert unix_stack.server is not None and unix_stack.server.process is not None
-    unix_stack.prefill.script({"delay": 1.0})
+    unix_stack.prefill.script({"hold": True})
 
     async def run() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=unix_stack.url, timeout=30) as client:
@@ -423,13 +435,14 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(unix_stack: Stac
             unix_stack.server.process.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(_server_logged, unix_stack, '"draining"')
             late = await client.post(CHAT, json=chat_body(), headers=unix_stack.pd_headers())
+            assert await asyncio.to_thread(unix_stack.prefill.release) == 1
             return await inflight, late
 
     inflight, late = asyncio.run(run())
     assert inflight.status_code == 200
     assert late.status_code == 503
     assert late.json()["error"]["code"] in ("pd_extproc_unavailable", "pd_shutting_down")
-    assert unix_stack.server.process.wait(timeout=10) == 0
+    assert unix_stack.server.process.wait(timeout=60) == 0
 
 
 def test_drain_cancels_what_outlives_the_grace_period(unix_stack: Stack) -> None:

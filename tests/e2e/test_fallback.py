@@ -33,9 +33,11 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.dataplane
 
-FALLBACK = {"PD_EXTPROC_PREFILL_FALLBACK": "aggregated", "PD_EXTPROC_PREFILL_READ_TIMEOUT": "1s",
+# Short enough that the hung prefill's case ends soon, long enough that a prefill worker answering at
+# once never trips them on a loaded machine (a timeout there would serve the P/D cases whole).
+FALLBACK = {"PD_EXTPROC_PREFILL_FALLBACK": "aggregated", "PD_EXTPROC_PREFILL_READ_TIMEOUT": "5s",
             "PD_EXTPROC_PREFILL_CONNECT_TIMEOUT": "1s",
-            "PD_EXTPROC_PREFILL_DEADLINE": "2s"}
+            "PD_EXTPROC_PREFILL_DEADLINE": "6s"}
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from extproc.app import EXT_PROC_SERVICE
 from extproc.config import load_settings
 from extproc.envoy.bootstrap import render_yaml
 from pd_extproc_lab import stack as stack_module
-from pd_extproc_lab.process import free_port
 from tests.harness import TEST_DEFAULTS, Stack, envoy_bin, running_stack
 from tests.helpers import (
     CHAT,
@@ -39,6 +38,7 @@ from tests.helpers import (
     scrape,
     stream,
 )
+from tests.ports import unused_ports
 
 pytestmark = pytest.mark.dataplane
 
@@ -131,9 +131,9 @@ def test_envoy_times_the_first_token_at_decodes_first_event_not_its_response_hea
 def test_the_stats_listener_serves_only_envoys_prometheus_page() -> None:
     """PD_EXTPROC_ENVOY_STATS_LISTEN: a scraper gets the P/D histograms without the admin port, and
     nothing else of the admin API (which could stop Envoy) is reachable through it."""
-    stats_port = free_port()
+    stats_port, admin_port = unused_ports(2)
     env = {"PD_EXTPROC_ENVOY_STATS_LISTEN": f"127.0.0.1:{stats_port}",
-           "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{free_port()}"}
+           "PD_EXTPROC_ENVOY_ADMIN": f"127.0.0.1:{admin_port}"}
     with running_stack(env) as stack:
         request_id = "5a1e0000-0000-4000-8000-000000005747"
         assert post(stack, CHAT, chat_body(max_tokens=2), **{"x-request-id": request_id}).status_code == 200
@@ -157,9 +157,9 @@ def capped_stack() -> Iterator[Stack]:
 
 
 async def hold_both_slots(stack: Stack, client: httpx.AsyncClient) -> list[asyncio.Future[httpx.Response]]:
-    """Two P/D requests parked at a slow prefill (3 s each): both admission slots taken until they end."""
+    """Two P/D requests held at prefill until the test releases them: both admission slots taken."""
     stack.reset()
-    stack.prefill.script({"delay": 3}, {"delay": 3})
+    stack.prefill.script({"hold": True}, {"hold": True})
     held = [asyncio.ensure_future(client.post(CHAT, json=chat_body(max_tokens=2), headers=stack.pd_headers()))
             for _ in range(2)]
     assert await asyncio.to_thread(stack.prefill.wait, "pending", 2)
@@ -173,6 +173,7 @@ def test_admission_cap_sheds_with_503(capped_stack: Stack) -> None:
         async with httpx.AsyncClient(base_url=capped_stack.url, timeout=30) as client:
             held = await hold_both_slots(capped_stack, client)
             shed = [await client.post(CHAT, json=chat_body(), headers=capped_stack.pd_headers()) for _ in range(3)]
+            assert await asyncio.to_thread(capped_stack.prefill.release) == 2
             return list(await asyncio.gather(*held)), shed
 
     held, shed = asyncio.run(run())
@@ -201,6 +202,7 @@ def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_
                               if line.lower().startswith(b"content-length:")))
             reply = head + await reader.readexactly(length)
             writer.close()
+            assert await asyncio.to_thread(capped_stack.prefill.release) == 2
             return list(await asyncio.gather(*held)), reply
 
     held, reply = asyncio.run(run())
@@ -213,7 +215,8 @@ def test_admission_cap_sheds_at_the_request_head_before_the_body_arrives(capped_
 
 @pytest.fixture
 def draining_stack() -> Iterator[Stack]:
-    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "10s"}, grpc_unix=True) as stack:
+    # The drain ends when the held request does; its timeout only bounds a test that went wrong.
+    with running_stack({"PD_EXTPROC_DRAIN_TIMEOUT": "120s"}, grpc_unix=True) as stack:
         yield stack
 
 
@@ -233,7 +236,7 @@ def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
 
     assert health() == health_pb2.HealthCheckResponse.SERVING
     assert httpx.get(draining_stack.metrics_url + "/readyz").status_code == 200
-    draining_stack.prefill.script({"delay": 3})
+    draining_stack.prefill.script({"hold": True})
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=draining_stack.url, timeout=30) as client:
@@ -246,6 +249,7 @@ def test_health_flips_as_soon_as_draining_starts(draining_stack: Stack) -> None:
             assert await asyncio.to_thread(health) == health_pb2.HealthCheckResponse.NOT_SERVING
             liveness = await client.get(draining_stack.metrics_url + "/healthz")
             assert liveness.status_code == 200
+            assert await asyncio.to_thread(draining_stack.prefill.release) == 1
             return await inflight
 
     try:

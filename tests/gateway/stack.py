@@ -25,6 +25,7 @@ from tests.gateway.bootstrap import PD_STAT, PICKER_STAT, gateway_bootstrap
 from tests.gateway.picker import Pick, PickerProcess
 from tests.harness import READY_TIMEOUT, REPO, TEST_DEFAULTS, envoy_bin, log_tails
 from tests.helpers import metric_samples
+from tests.ports import unused_port
 
 DECODES = ("decode-a", "decode-b", "decode-c")
 REPLICAS = 2
@@ -146,7 +147,9 @@ def gateway_stack(env_settings: dict[str, str] | None = None, replicas: int = RE
         stack.workers = start_workers(specs, log_dir, READY_TIMEOUT, env)
         picker.start(READY_TIMEOUT)
         for index in range(replicas):
-            server_env = {**env, **settings_env(settings)}
+            # A port below the ephemeral range: restart() binds it again, and in between no outgoing
+            # connection on the machine can be given it as its source port (tests/ports.py).
+            server_env = {**env, **settings_env(settings), "PD_EXTPROC_GRPC_LISTEN": f"127.0.0.1:{unused_port()}"}
             stack.replicas.append(Replica(python_child(f"pd-extproc-{index}", ["serve"], server_env, log_dir)))
             stack.replicas[-1].start()
         config = log_dir / "envoy.yaml"

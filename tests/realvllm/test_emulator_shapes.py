@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from pd_extproc_lab.emulator.worker import WorkerSpec, start_workers
-from tests.realvllm.engine import free_ports
+from tests.helpers import closed_port
 from tests.realvllm.stage import RealPd, Reply, send
 from tests.realvllm.wire import (
     CHAT,
@@ -131,10 +131,9 @@ def test_validation_error_has_the_real_shape(real_pd: RealPd, emulated: Emulated
 
 def failing_handoff() -> dict[str, Any]:
     """A well-formed handoff whose producer side channel does not exist: the KV load must fail."""
-    (dead_port,) = free_ports(1)
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[7]],
             "remote_engine_id": "00000000-0000-4000-8000-00000000dead", "remote_request_id": "cmpl-dead-0-00000000",
-            "remote_host": "127.0.0.1", "remote_port": dead_port, "tp_size": 1}
+            "remote_host": "127.0.0.1", "remote_port": closed_port(), "tp_size": 1}
 
 
 @pytest.mark.realvllm(phase="late")

@@ -9,12 +9,12 @@ transfer.
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+from tests.helpers import closed_port
 from tests.realvllm import engine
 from tests.realvllm.stage import RealPd, Reply, send
 from tests.realvllm.wire import CHAT, COMPLETIONS, MAX_TOKENS, PATHS, SseStream, output_text, request_body
@@ -162,12 +162,6 @@ def test_g05_four_concurrent_pd_requests_get_four_distinct_completions(real_pd: 
 
 
 # --- G06: what never reaches a worker, or only decode ----------------------------------------------
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def assert_our_error(reply: Reply, status: int, code: str) -> dict[str, Any]:

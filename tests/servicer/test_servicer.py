@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,23 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc.app import EXT_PROC_SERVICE, ExtProcServer
 from extproc.config import load_settings
 from pd_extproc_lab.emulator.vllm import VllmBehaviour, VllmEmulator
+from tests.ext_proc_messages import body_message, error_of, exchange, headers_message
 
 CHAT = "/v1/chat/completions"
-
-
-def headers_message(path: str, extra: dict[str, str], end_of_stream: bool = False) -> pb.ProcessingRequest:
-    request = pb.ProcessingRequest()
-    request.request_headers.end_of_stream = end_of_stream
-    for key, value in {":method": "POST", ":path": path, "content-type": "application/json", **extra}.items():
-        request.request_headers.headers.headers.append(base_pb2.HeaderValue(key=key, raw_value=value.encode()))
-    return request
-
-
-def body_message(body: dict[str, Any] | bytes) -> pb.ProcessingRequest:
-    request = pb.ProcessingRequest()
-    request.request_body.body = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request.request_body.end_of_stream = True
-    return request
 
 
 @dataclasses.dataclass
@@ -50,11 +35,7 @@ class Harness:
         return pb_grpc.ExternalProcessorStub(self.channel)
 
     async def exchange(self, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        async def requests() -> AsyncIterator[pb.ProcessingRequest]:
-            for message in messages:
-                yield message
-
-        return [response async for response in self.stub().Process(requests())]
+        return await exchange(self.channel, *messages)
 
 
 async def with_harness(test: Callable[[Harness], Awaitable[None]], **env: str) -> None:
@@ -78,13 +59,6 @@ async def with_harness(test: Callable[[Harness], Awaitable[None]], **env: str) -
 
 def run(test: Callable[[Harness], Awaitable[None]], **env: str) -> None:
     asyncio.run(with_harness(test, **env))
-
-
-def error_of(response: pb.ProcessingResponse) -> tuple[int, str]:
-    assert response.WhichOneof("response") == "immediate_response"
-    reply = response.immediate_response
-    assert reply.headers.set_headers[0].header.raw_value == b"application/json"
-    return reply.status.code, json.loads(reply.body)["error"]["code"]
 
 
 def test_pd_exchange_replies_continue_then_a_body_mutation_with_its_length() -> None:

@@ -44,3 +44,27 @@ def test_the_control_endpoint_answers_400_and_queues_nothing() -> None:
     response = asyncio.run(control.handle(Request("POST", "/_emulator/script", [], body, "test")))
     assert response is not None and response.status == 400 and b"hnag" in response.body
     assert len(control.script) == 0, "not even the valid entry before it"
+
+
+def test_a_held_request_goes_on_only_when_released_and_reset_releases_too() -> None:
+    """``hold`` keeps a request in flight until the test says so (no wall-clock window): release answers
+    every request held at that moment, and a later hold waits for the next release."""
+    async def scenario() -> tuple[list[bool], int, int, bool, int]:
+        control: Control[VllmBehaviour] = Control({}, VllmBehaviour)
+        first, second = (asyncio.ensure_future(control.held()) for _ in range(2))
+        await asyncio.sleep(0)  # both reach their wait (one loop turn; no time passes)
+        waiting = [not task.done() for task in (first, second)]
+        released = control.release()
+        await asyncio.gather(first, second)
+        later = asyncio.ensure_future(control.held())
+        await asyncio.sleep(0)
+        later_waits = not later.done()
+        response = await control.handle(Request("POST", "/_emulator/reset", [], b"{}", "test"))
+        assert response is not None and response.status == 200
+        await later
+        return waiting, released, control.release(), later_waits, response.status
+
+    waiting, released, none_left, later_waits, _ = asyncio.run(scenario())
+    assert waiting == [True, True] and released == 2
+    assert later_waits, "a hold after a release waits for the next one"
+    assert none_left == 0
