@@ -8,8 +8,6 @@ Targets and what each renders (a later settings file overrides an earlier one, a
 - compose-ENGINE, for ENGINE in vllm, sglang, trtllm: envoy/pd-extproc.env + envoy/engine.ENGINE.env
   -> envoy/envoy.ENGINE.yaml (what ``pd-extproc envoy-config`` prints for those settings;
   docker-compose.yaml mounts the one of PD_ENGINE into the Envoy container)
-- k8s: k8s/base/pd-extproc.env -> k8s/base/pd-extproc-config.yaml (ConfigMap ``pd-extproc-settings`` with the
-  variables, ConfigMap ``pd-envoy`` with the Envoy bootstrap rendered from them)
 - k8s-gateway-guard: k8s/gateway-mode/core/pd-extproc.env -> k8s/gateway-mode/client-guard.yaml (ConfigMap
   ``pd-client-guard``: the client guard's Lua source, extproc/envoy/guard.py ``lua_source``, which the
   EnvoyExtensionPolicy's ``lua`` entry reads by ``valueRef``; the settings do not change it)
@@ -19,7 +17,9 @@ Targets and what each renders (a later settings file overrides an earlier one, a
   HTTPRoute rule to the InferencePool in k8s/gateway-mode/istio/gateway.yaml; docs/gateway-chains.md)
 
 The Envoy bootstrap always comes from ``extproc.envoy.bootstrap.render_yaml``: nothing here knows a port,
-a timeout or a limit of its own.
+a timeout or a limit of its own. Kubernetes' sidecar mode needs nothing generated: kustomize makes the ConfigMap
+``pd-extproc-settings`` from k8s/base/pd-extproc.env (and an overlay's changes), and the decode pod's init
+container runs ``pd-extproc envoy-config`` on it.
 """
 
 from __future__ import annotations
@@ -43,15 +43,12 @@ from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, gateway_local_reply_map
 REPO = Path(__file__).resolve().parents[1]
 REGENERATE = "make manifests"
 NAMESPACE = "llm"
-ENVOY_CONFIGMAP = "pd-envoy"
-ENVOY_CONFIG_KEY = "envoy.yaml"
+ENVOY_CONFIG_KEY = "envoy.yaml"  # the file the decode pod's init container writes
 SETTINGS_CONFIGMAP = "pd-extproc-settings"
 COMPOSE_DIR = REPO / "envoy"
 COMPOSE_SETTINGS = COMPOSE_DIR / "pd-extproc.env"
 COMPOSE_ENGINES = ("vllm", "sglang", "trtllm")  # PD_ENGINE in envoy/docker-compose.yaml; vllm is the default
 K8S_SETTINGS = REPO / "k8s" / "base" / "pd-extproc.env"
-K8S_CONFIG = REPO / "k8s" / "base" / "pd-extproc-config.yaml"
-_LABELS = {"app.kubernetes.io/part-of": "pd-extproc", "app.kubernetes.io/component": "decode"}
 GATEWAY_SETTINGS = REPO / "k8s" / "gateway-mode" / "core" / "pd-extproc.env"
 GATEWAY_GUARD = REPO / "k8s" / "gateway-mode" / "client-guard.yaml"
 GUARD_CONFIGMAP = "pd-client-guard"
@@ -127,23 +124,6 @@ def _header(settings_files: Sequence[Path]) -> str:
 
 def render_compose(settings: Settings, env: Mapping[str, str], target: Target) -> str:
     return render_yaml(settings)
-
-
-def configmaps(settings: Settings, env: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The two ConfigMaps of the decode pod: pd-extproc's variables and the Envoy bootstrap."""
-    meta = {"namespace": NAMESPACE, "labels": dict(_LABELS)}
-    return [
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": SETTINGS_CONFIGMAP, **meta},
-         "data": {name: env[name] for name in sorted(env)}},
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": ENVOY_CONFIGMAP, **meta},
-         "data": {ENVOY_CONFIG_KEY: render_yaml(settings)}},
-    ]
-
-
-def render_k8s(settings: Settings, env: Mapping[str, str], target: Target) -> str:
-    return _dump_all(configmaps(settings, env), _header(target.settings_files))
 
 
 def _metadata(name: str, component: str) -> dict[str, Any]:
@@ -252,7 +232,6 @@ def render_istio_guard(settings: Settings, env: Mapping[str, str], target: Targe
 TARGETS: tuple[Target, ...] = (
     *(Target(f"compose-{engine}", (COMPOSE_SETTINGS, compose_engine_settings(engine)), compose_envoy(engine),
              render_compose) for engine in COMPOSE_ENGINES),
-    Target("k8s", (K8S_SETTINGS,), K8S_CONFIG, render_k8s),
     Target("k8s-gateway-guard", (GATEWAY_SETTINGS,), GATEWAY_GUARD, render_gateway_guard),
     Target("k8s-istio-guard", (GATEWAY_SETTINGS,), ISTIO_GUARD, render_istio_guard),
 )

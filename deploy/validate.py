@@ -43,7 +43,9 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
 
 from deploy import crd_schema, tools
-from deploy.render_manifests import COMPOSE_ENGINES, K8S_CONFIG
+from deploy.render_manifests import COMPOSE_ENGINES, SETTINGS_CONFIGMAP
+from extproc.config import load_settings
+from extproc.envoy.bootstrap import render_yaml
 
 REPO = tools.REPO
 COMPOSE_FILE = REPO / "envoy" / "docker-compose.yaml"
@@ -158,20 +160,30 @@ def is_envoy_bootstrap(text: str) -> bool:
     return isinstance(body, dict) and "static_resources" in body
 
 
-def envoy_configs(compose_dir: Path = REPO / "envoy", k8s_config: Path = K8S_CONFIG) -> dict[str, str]:
-    """Every Envoy bootstrap in the repository, by label: files and ConfigMap entries (the k8s one is in
-    the generated ConfigMaps every overlay takes from k8s/base)."""
+def decode_settings(docs: Sequence[Document]) -> dict[str, str]:
+    """The PD_EXTPROC_* variables a rendered overlay gives the decode pod: the data of the ConfigMap its
+    pd-extproc container reads (kustomize's hashed ``pd-extproc-settings-<hash>``)."""
+    by_name = {(d.body["kind"], d.body["metadata"]["name"]): d.body for d in docs}
+    pod = by_name[("Deployment", "pd-decode")]["spec"]["template"]["spec"]
+    container = next(c for c in pod["containers"] if c["name"] == "pd-extproc")
+    name = container["envFrom"][0]["configMapRef"]["name"]
+    if not name.startswith(SETTINGS_CONFIGMAP):
+        raise ValueError(f"pd-decode's pd-extproc reads {name}, not {SETTINGS_CONFIGMAP}")
+    data: dict[str, str] = by_name[("ConfigMap", name)]["data"]
+    return data
+
+
+def envoy_configs(compose_dir: Path = REPO / "envoy") -> dict[str, str]:
+    """Every Envoy bootstrap the repository ships, by label: the compose files, and for each sidecar overlay
+    what its decode pods' init container renders (``pd-extproc envoy-config`` on that overlay's settings)."""
     found = {}
     for path in sorted(compose_dir.glob("*.yaml")):
         text = path.read_text()
         if is_envoy_bootstrap(text):
             found[_rel(path)] = text
-    for doc in load_documents([k8s_config]):
-        if doc.body.get("kind") != "ConfigMap":
-            continue
-        for key, text in (doc.body.get("data") or {}).items():
-            if isinstance(text, str) and is_envoy_bootstrap(text):
-                found[f"{doc.label} data.{key}"] = text
+    for overlay in overlays():
+        env = decode_settings(render_overlay(overlay))
+        found[f"{_rel(overlay)} (init container envoy-config)"] = render_yaml(load_settings(env, {}))
     return found
 
 

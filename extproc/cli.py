@@ -73,13 +73,17 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     if args.parts:
         from extproc.envoy.parts import render_parts_yaml
 
-        sys.stdout.write(render_parts_yaml(settings, args.decode_cluster, args.route_name))
-        return 0
-    if settings.mode == "gateway":
+        text = render_parts_yaml(settings, args.decode_cluster, args.route_name)
+    elif settings.mode == "gateway":
         raise ConfigError("gateway mode has no bootstrap of its own (the gateway's Envoy is yours): use --parts")
-    from extproc.envoy.bootstrap import render_yaml
+    else:
+        from extproc.envoy.bootstrap import render_yaml
 
-    sys.stdout.write(render_yaml(settings))
+        text = render_yaml(settings)
+    if args.output:  # the decode pod's init container writes Envoy's bootstrap into a volume this way
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -267,6 +271,8 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
                               help="with --parts, sidecar mode: your decode cluster, for the pd route")
     envoy_config.add_argument("--route-name", default="",
                               help="with --parts, gateway mode: the inference route's name (scopes the local replies)")
+    envoy_config.add_argument("--output", "-o", default="", metavar="FILE",
+                              help="write to FILE instead of standard output")
     envoy_config.set_defaults(run=cmd_envoy_config)
     # Every argument is Envoy's (prefix_chars: none of ours, so `-c FILE` is not parsed here).
     envoy = commands.add_parser("envoy", help="run Envoy with these arguments; on SIGTERM drain it, then stop it",
