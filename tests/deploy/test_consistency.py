@@ -275,7 +275,8 @@ def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compo
     release = f"pd-extproc:{__version__}"
     assert {name: service["image"] for name, service in services.items()} == dict.fromkeys(services, release)
     # Kubernetes runs the server image (Dockerfile `--target server`) of the same release.
-    assert manifests.container("pd-decode", "pd-extproc")["image"].rsplit("/", 1)[-1] == f"pd-extproc-server:{__version__}"
+    server = manifests.container("pd-decode", "pd-extproc")["image"]
+    assert server.rsplit("/", 1)[-1] == f"pd-extproc-server:{__version__}"
     # Compose's Envoy is the one in our image; Kubernetes runs Envoy's own image of the same release.
     assert manifests.container("pd-decode", "envoy")["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
     for deployment in ("pd-decode", "pd-prefill"):
