@@ -160,10 +160,10 @@ def is_envoy_bootstrap(text: str) -> bool:
     return isinstance(body, dict) and "static_resources" in body
 
 
-def decode_settings(docs: Sequence[Document]) -> dict[str, str]:
+def decode_settings(docs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """The PD_EXTPROC_* variables a rendered overlay gives the decode pod: the data of the ConfigMap its
     pd-extproc container reads (kustomize's hashed ``pd-extproc-settings-<hash>``)."""
-    by_name = {(d.body["kind"], d.body["metadata"]["name"]): d.body for d in docs}
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     pod = by_name[("Deployment", "pd-decode")]["spec"]["template"]["spec"]
     container = next(c for c in pod["containers"] if c["name"] == "pd-extproc")
     name = container["envFrom"][0]["configMapRef"]["name"]
@@ -182,7 +182,7 @@ def envoy_configs(compose_dir: Path = REPO / "envoy") -> dict[str, str]:
         if is_envoy_bootstrap(text):
             found[_rel(path)] = text
     for overlay in overlays():
-        env = decode_settings(render_overlay(overlay))
+        env = decode_settings([doc.body for doc in render_overlay(overlay)])
         found[f"{_rel(overlay)} (init container envoy-config)"] = render_yaml(load_settings(env, {}))
     return found
 

@@ -45,7 +45,7 @@ def test_compose_mounts_what_pd_extproc_envoy_config_prints(engine: str, capsys:
 
 def test_the_settings_configmap_every_overlay_renders_is_the_settings_file(manifests: Manifests) -> None:
     """kustomize's configMapGenerator, hashed: the overlays shipped here change none of the settings."""
-    assert validate.decode_settings(manifests.docs) == read_env_file(rm.K8S_SETTINGS)
+    assert validate.decode_settings([doc.body for doc in manifests.docs]) == read_env_file(rm.K8S_SETTINGS)
 
 
 @pytest.mark.parametrize("target", rm.TARGETS, ids=lambda t: t.name)
