@@ -51,6 +51,11 @@ _STATS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stats.v3.Confi
 TIMING_STAT_PREFIX = "pd"
 TTFT_STAT = "time_to_first_token_ms"
 DECODE_STAT = "decode_ms"
+# The untrusted chain's route for a request that carries the picker's header from a peer outside
+# trusted_sources: served as a passthrough like any other, but logged under this route name and counted
+# (envoy_pd_untrusted_picker_header_rq), so a gateway missing from PD_EXTPROC_TRUSTED_SOURCES is loud.
+UNTRUSTED_PICKER_ROUTE = "untrusted_picker_header"
+UNTRUSTED_PICKER_STAT = "untrusted_picker_header_rq"
 # response.flags == 0: a stream the client abandoned keeps "via_upstream" but has no US_RX_END.
 _PD_SERVED = ("xds.route_name == 'pd' && response.code_details == 'via_upstream' && response.flags == 0u"
               f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata"
@@ -193,7 +198,9 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "request_headers_to_remove": sorted(PICKER_HEADERS),
     })
     if not pd_enabled:
-        return [passthrough]
+        counted = {**passthrough, "name": UNTRUSTED_PICKER_ROUTE,
+                   "match": {"prefix": "/", "headers": [{"name": PREFILL_TARGET_HEADER, "present_match": True}]}}
+        return [counted, passthrough]
     pd_route = {
         "name": "pd",
         "match": {
@@ -240,6 +247,14 @@ def _timing_logs() -> list[dict[str, Any]]:
     ]
 
 
+def _untrusted_picker_log() -> dict[str, Any]:
+    """One count per request the untrusted chain served on UNTRUSTED_PICKER_ROUTE."""
+    return {"name": "envoy.access_loggers.stats",
+            "filter": _cel_filter(f"xds.route_name == '{UNTRUSTED_PICKER_ROUTE}'"),
+            "typed_config": {_TYPE: _STATS_LOG, "stats_scope": {"prefix": TIMING_STAT_PREFIX},
+                             "counters": [{"stat": {"name": UNTRUSTED_PICKER_STAT}, "value_fixed": 1}]}}
+
+
 def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
     filters: list[dict[str, Any]] = [
         {"name": "envoy.filters.http.body_size_limit",
@@ -273,7 +288,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "upstream": "%UPSTREAM_HOST%",
                 "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
-        }, *(_timing_logs() if pd_enabled else [])],
+        }, *(_timing_logs() if pd_enabled else [_untrusted_picker_log()])],
         "local_reply_config": _local_reply_config(),
         "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
             {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
