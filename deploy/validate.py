@@ -336,7 +336,8 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # gwapiv1.HTTPHeader
 
 
 def client_traffic_policy_problems(body: Mapping[str, Any]) -> list[str]:
-    """Contract check of an Envoy Gateway ClientTrafficPolicy (NOT its CRD schema, which no registry ships).
+    """Contract check of an Envoy Gateway ClientTrafficPolicy: the fields we rely on (its CRD schema is checked
+    too, by crd_schema.crd_problems).
 
     Checks: apiVersion gateway.envoyproxy.io/v1alpha1; spec keys known to v1.9.0; targetRefs (the only way
     we target: a non-empty list of {group: gateway.networking.k8s.io, kind: Gateway, name}, the CRD's CEL
