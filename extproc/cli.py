@@ -266,7 +266,7 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
     envoy_config.add_argument("--parts", action="store_true",
-                              help="only what to add to an Envoy you already run (README, \"Your own Envoy\")")
+                              help="only what to add to an Envoy you already run (docs/install/own-envoy.md)")
     envoy_config.add_argument("--decode-cluster", default="decode",
                               help="with --parts, sidecar mode: your decode cluster, for the pd route")
     envoy_config.add_argument("--route-name", default="",

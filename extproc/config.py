@@ -150,7 +150,7 @@ class Settings:
         "offered for sglang")
     trust_client_steering: bool = setting(
         False, parse_bool, "true turns the client guard off: a client may then send the fields and headers that "
-        "make an engine pull KV from a host of its choosing or hold KV (README, Security model); only where every "
+        "make an engine pull KV from a host of its choosing or hold KV (docs/security.md); only where every "
         "client is trusted")
     decode_queue_limit: int = setting(
         0, non_negative_int, "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode "
