@@ -99,8 +99,9 @@ def load_documents(paths: Iterable[Path]) -> list[Document]:
 
 
 # The kustomize package and gateway mode: validated as what they render, never file by file.
-KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode")
+KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode", "gateway-mode-examples")
 GATEWAY_MODE = K8S_DIR / "gateway-mode"
+GATEWAY_EXAMPLES = K8S_DIR / "gateway-mode-examples"  # adopters' overlays of gateway mode, one per gateway
 KUSTOMIZATION = "kustomization.yaml"
 
 
@@ -146,7 +147,8 @@ def kustomize_documents(root: Path) -> list[Document]:
 
 def k8s_documents() -> list[Document]:
     """Every object every overlay and gateway-mode folder renders, and the plain manifests beside them."""
-    rendered = [doc for root in overlays() + kustomize_roots() for doc in render_overlay(root)]
+    roots = overlays() + kustomize_roots() + kustomize_roots(GATEWAY_EXAMPLES)
+    rendered = [doc for root in roots for doc in render_overlay(root)]
     return rendered + load_documents(k8s_files())
 
 

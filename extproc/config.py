@@ -331,6 +331,9 @@ def _gateway_problems(settings: Settings) -> list[str]:
     if settings.decode_queue_limit:
         problems.append("decode_queue_limit: not in gateway mode (it reads the local decode worker's queue; "
                         "the endpoint picker already scores the decode pods' queues)")
+    if settings.workers > 1:
+        problems.append("workers: not in gateway mode (the gateway's Envoy reaches pd-extproc at one address, so "
+                        "workers 1..N-1 would never get a request): run more replicas of pd-extproc instead")
     engine = engines().get(settings.adapter)
     if engine is not None and engine.flow is Flow.CONCURRENT:
         problems.append(f"mode: adapter {settings.adapter} is not supported in gateway mode yet (its failed prefill "

@@ -30,6 +30,8 @@ ENVOY_ADMIN_CLUSTER = "envoy_admin"
 STATS_PATH = "/stats/prometheus"
 FALLBACK_HEADER = "x-pd-fallback"
 DECODE_CLUSTER = "decode"
+# On PD_EXTPROC_ENVOY_STATS_LISTEN: the decode engine's own metrics page (engine_metrics_path).
+ENGINE_METRICS_PATH = "/engine/metrics"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 PD_PATH_REGEX = "/v1/(chat/)?completions"
 
@@ -312,14 +314,26 @@ def _filter_chains(settings: Settings) -> list[dict[str, Any]]:
     return [trusted, untrusted]
 
 
-def _stats_listener(address: Address) -> dict[str, Any]:
-    """GET /stats/prometheus, proxied to the admin port; anything else 404. The admin port itself
-    (which can also stop Envoy) stays on loopback."""
+def engine_metrics_path(settings: Settings) -> str:
+    """Where the decode engine serves its Prometheus page (the adapter's, vLLM's and SGLang's /metrics)."""
+    engine = engines().get(settings.adapter)
+    queue = engine.decode_queue if engine is not None else None
+    return queue.path if queue is not None else "/metrics"
+
+
+def _stats_listener(settings: Settings, address: Address) -> dict[str, Any]:
+    """GET /stats/prometheus, proxied to the admin port, and GET ENGINE_METRICS_PATH, the decode engine's own
+    metrics page (it listens on loopback in the pod, so a scraper reaches it only here); anything else 404.
+    The admin port itself (which can also stop Envoy) stays on loopback."""
+    def get(path: str) -> dict[str, Any]:  # :path, not path: a query (filter=..., usedonly) is not passed on
+        return {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "GET"}},
+                                           {"name": ":path", "string_match": {"exact": path}}]}
+
     routes = [
-        {"name": "stats",  # :path, not path: a query (filter=..., usedonly) is not passed to the admin API
-         "match": {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "GET"}},
-                                              {"name": ":path", "string_match": {"exact": STATS_PATH}}]},
-         "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
+        {"name": "stats", "match": get(STATS_PATH), "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
+        {"name": "engine_metrics", "match": get(ENGINE_METRICS_PATH),
+         "route": {"cluster": DECODE_CLUSTER, "timeout": "10s", "regex_rewrite": {
+             "pattern": {"regex": ".*"}, "substitution": engine_metrics_path(settings)}}},
         {"name": "not_found", "match": {"prefix": "/"}, "direct_response": {"status": 404}},
     ]
     return {"name": "envoy_stats", "address": _socket_address(address), "filter_chains": [{"filters": [{
@@ -393,7 +407,7 @@ def render(settings: Settings) -> dict[str, Any]:
         "filter_chains": _filter_chains(settings),
     }]
     if settings.envoy_stats_listen is not None:
-        listeners.append(_stats_listener(settings.envoy_stats_listen))
+        listeners.append(_stats_listener(settings, settings.envoy_stats_listen))
         clusters.append({
             "name": ENVOY_ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
             "load_assignment": {"cluster_name": ENVOY_ADMIN_CLUSTER, "endpoints": [

@@ -416,5 +416,5 @@ def test_every_image_tag_the_repository_names_is_the_release(repo: Path) -> None
              *sorted((repo / "envoy").glob("*.yaml")),
              *sorted((repo / "k8s").rglob("*.yaml"))]
     tags = {(path.relative_to(repo).as_posix(), tag) for path in files
-            for tag in re.findall(r"pd-extproc(?:-server)?:(\d+\.\d+\.\d+\S*)", path.read_text())}
+            for tag in re.findall(r"pd-extproc(?:-server)?:(\d+\.\d+\.\d+(?:[-+][\w.]*\w)?)", path.read_text())}
     assert tags and {tag for _, tag in tags} == {__version__}, sorted(tags)

@@ -24,7 +24,8 @@ FOREIGN_NAMESPACE = "inference-prod"
 # Namespaces the manifests name on purpose: the gateways' and Prometheus' own, and DNS's.
 EXTERNAL_NAMESPACES = {"envoy-gateway-system", "istio-system", "monitoring", "kube-system"}
 # Every kustomization an operator applies (or copies): the sidecar overlays and gateway mode's two roots.
-ROOTS = [*validate.overlays(), validate.GATEWAY_MODE, validate.GATEWAY_MODE / "istio"]
+ROOTS = [*validate.overlays(), validate.GATEWAY_MODE, validate.GATEWAY_MODE / "istio",
+         *validate.kustomize_roots(validate.GATEWAY_EXAMPLES)]
 # A string naming the default namespace as a whole word: `llm` but not `llm-d.ai` or `vllm`.
 _OLD = re.compile(rf"(?<![\w-]){DEFAULT_NAMESPACE}(?![\w-])")
 
