@@ -49,6 +49,10 @@ def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
     logs.configure(settings.log_level)
+    from extproc.network_check import POD_IP_VARIABLE, network_warnings
+
+    for warning in network_warnings(settings, environ.get(POD_IP_VARIABLE)):
+        log.warning(warning)
     from extproc.app import ListenError, serve
 
     def announce(address: str, metrics_port: int) -> None:

@@ -99,7 +99,8 @@ def test_pd_extproc_reads_the_generated_settings_and_probes_its_health_endpoints
     name = source["configMapRef"]["name"]
     # kustomize's generated name: the settings with a content hash, so a changed setting rolls the pods.
     assert name.startswith(f"{rm.SETTINGS_CONFIGMAP}-") and manifests.has("ConfigMap", name)
-    assert "env" not in extproc  # every setting comes from the generated ConfigMap
+    # Every setting comes from the generated ConfigMap; the only other variable is the pod's own address.
+    assert extproc["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     assert _port(extproc, "metrics") == k8s_settings.metrics_listen.port
     assert extproc["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert extproc["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
