@@ -28,7 +28,7 @@ export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models version image server-image
+.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models guard-parsers version image server-image
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
 
@@ -95,6 +95,22 @@ $(SGLANG_VENV)/.installed: tests/sglang_models/requirements.txt
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -r tests/sglang_models/requirements.txt
 	touch $@
 
+# The client guard's differential test (tests/guard_parsers): the engines' web frameworks at their pins
+# (tests/guard_parsers/requirements.txt, plus sglang --no-deps for its decompression middleware) and Debian's
+# lua5.1, which runs the guard's Lua with a shim of Envoy's handle API.
+GUARD_VENV := .venv-guard
+export PD_GUARD_PYTHON ?= $(abspath $(GUARD_VENV)/bin/python)
+
+guard-parsers: $(GUARD_VENV)/.installed
+	@command -v lua5.1 >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lua5.1)
+
+$(GUARD_VENV)/.installed: tests/guard_parsers/requirements.txt
+	$(PYTHON) -m venv $(GUARD_VENV)
+	$(GUARD_VENV)/bin/pip install -q --no-deps -r tests/guard_parsers/requirements.txt
+	$(GUARD_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	touch $@
+
 run: $(VENV)/.runtime $(ENVOY_VENV)/.installed
 	$(BIN)/pd-extproc up --demo --listen $(LISTEN)
 
@@ -110,7 +126,7 @@ e2e: install
 
 check: lint unit
 
-test: install lint realvllm sglang-models deploy-tools compose-tools base-image wheelhouse packaging-tools docker-tools
+test: install lint realvllm sglang-models guard-parsers deploy-tools compose-tools base-image wheelhouse packaging-tools docker-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compose-docker
 
@@ -169,7 +185,7 @@ soak: install
 		--seed 27 --json bench/soak-$(SOAK_ENGINE).json
 
 clean:
-	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
+	rm -rf $(VENV) $(ENVOY_VENV) $(VLLM_VENV) $(SGLANG_VENV) $(GUARD_VENV) $(BENCH_VENV) $(COMPOSE_VENV) $(PACKAGING_VENV) dist \
 		$(TINY_MODEL) deploy/.tools wheelhouse/*.whl wheelhouse/.downloaded \
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 

@@ -143,7 +143,8 @@ class ExtProcServer:
             deadline=settings.prefill_deadline,
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
-        ), self.policy, _prefill_tls(settings))
+            keepalive=settings.prefill_keepalive,
+        ), self.policy, _prefill_tls(settings), on_retry=self.metrics.prefill_retries.inc)
         self.tracing = _tracing(settings)
         self.background = BackgroundPrefills()
         try:
@@ -216,8 +217,9 @@ class ExtProcServer:
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if not self.policy.explicit:
-            log.warning("no prefill allow-list (PD_EXTPROC_PREFILL_ALLOW): any non-loopback, non-link-local "
-                        "unicast address may be a prefill target; an explicit list is recommended")
+            log.warning("no prefill allow-list (PD_EXTPROC_PREFILL_ALLOW): a peer allowed to set "
+                        "x-prefiller-host-port may name any address the default policy allows; an explicit list "
+                        "is recommended")
 
     async def drain(self) -> None:
         """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them.

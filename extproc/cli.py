@@ -27,7 +27,15 @@ import uvloop
 from extproc import ready
 from extproc._version import __version__
 from extproc.adapters import EngineLoadError, by_engine, engines
-from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, Settings, add_arguments, load_settings, specs
+from extproc.config import (
+    ENVOY_ONLY_SETTINGS,
+    ConfigError,
+    Settings,
+    add_arguments,
+    load_settings,
+    open_prefill_policy,
+    specs,
+)
 from extproc.observability import logs
 from extproc.settings_spec import ENV_PREFIX
 from extproc.units import Address, parse_address
@@ -48,6 +56,9 @@ def _provided(args: argparse.Namespace, environ: Mapping[str, str], name: str) -
 
 def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = _settings(args, environ)
+    refusal = open_prefill_policy(settings)
+    if refusal:
+        raise ConfigError(refusal)
     logs.configure(settings.log_level)
     from extproc.network_check import POD_IP_VARIABLE, network_warnings
 
@@ -77,7 +88,11 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     if args.parts:
         from extproc.envoy.parts import render_parts_yaml
 
-        text = render_parts_yaml(settings, args.decode_cluster, args.route_name)
+        try:
+            ext_proc_address = parse_address(args.ext_proc_address) if args.ext_proc_address else None
+        except ValueError as exc:
+            raise ConfigError(f"--ext-proc-address: {exc}") from None
+        text = render_parts_yaml(settings, args.decode_cluster, args.route_name, ext_proc_address)
     elif settings.mode == "gateway":
         raise ConfigError("gateway mode has no bootstrap of its own (the gateway's Envoy is yours): use --parts")
     else:
@@ -157,6 +172,9 @@ def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings
     workers, demo_env = _demo_workers(settings, workdir)
     environ = {**environ, **demo_env}
     settings = _settings(args, environ)
+    refusal = open_prefill_policy(settings)
+    if refusal:  # before any child starts: the server would refuse the same
+        raise ConfigError(refusal)
     logs.configure(settings.log_level)
     running: stack.RunningStack | None = None
     stop_requested = False
@@ -275,6 +293,8 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
                               help="with --parts, sidecar mode: your decode cluster, for the pd route")
     envoy_config.add_argument("--route-name", default="",
                               help="with --parts, gateway mode: the inference route's name (scopes the local replies)")
+    envoy_config.add_argument("--ext-proc-address", default=None, metavar="HOST:PORT",
+                              help="with --parts, gateway mode: the pd-extproc Service (resolved by DNS)")
     envoy_config.add_argument("--output", "-o", default="", metavar="FILE",
                               help="write to FILE instead of standard output")
     envoy_config.set_defaults(run=cmd_envoy_config)

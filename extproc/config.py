@@ -31,6 +31,7 @@ from extproc.settings_spec import (
     text_value,
 )
 from extproc.units import Address, format_duration, parse_address, parse_duration
+from extproc.upstream.client import KEEPALIVE_SECONDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # sidecar: our own Envoy in front of one decode worker; gateway: an ext_proc of the gateway's Envoy,
@@ -110,6 +111,10 @@ class Settings:
     prefill_read_timeout: float = setting(30.0, positive_duration,
                                           "longest silence while reading the prefill response")
     prefill_deadline: float = setting(60.0, positive_duration, "total deadline for the whole prefill leg")
+    prefill_keepalive: float = setting(
+        KEEPALIVE_SECONDS, positive_duration, "idle time after which a pooled prefill connection is closed, not "
+        "reused; keep it below the prefill workers' own keep-alive (uvicorn's default: 5s) and any proxy's idle "
+        "timeout in front of them")
     envoy_message_timeout: float = setting(0.0, parse_duration,
                                            "Envoy ext_proc message_timeout; 0s = prefill_deadline + 5s")
     client_body_timeout: float = setting(30.0, positive_duration, "time a client has to send the whole request")
@@ -124,7 +129,8 @@ class Settings:
                                       "HTTP host:port for /metrics, /healthz and /readyz")
     prefill_allow: tuple[Rule, ...] = setting(
         (), parse_allow_list, "prefill targets allowed: CIDR:ports, [v6-CIDR]:ports or host:ports, comma-separated "
-        "(ports *, N or N-M); empty = default policy (no loopback, link-local, multicast)", show=describe)
+        "(ports *, N or N-M); empty = default policy (no loopback, link-local, metadata), allowed outside demo mode "
+        "only with trusted_sources", show=describe)
     prefill_tls: bool = setting(False, parse_bool, "use TLS to prefill workers")
     prefill_ca_file: str = setting("", existing_file, "CA bundle for prefill TLS; empty = the system CAs")
     prefill_cert_file: str = setting("", existing_file, "client certificate for prefill mTLS")
@@ -152,6 +158,14 @@ class Settings:
         False, parse_bool, "true turns the client guard off: a client may then send the fields and headers that "
         "make an engine pull KV from a host of its choosing or hold KV (docs/security.md); only where every "
         "client is trusted")
+    guard_allow_compressed_bodies: bool = setting(
+        False, parse_bool, "true lets a request with x-body-compressed pass the client guard unread: an SGLang engine "
+        "started with SGLANG_ENABLE_REQUEST_DECOMPRESSION=1 then decompresses a body the guard never saw, steering "
+        "fields included (docs/security.md)")
+    guard_allow_form_json_fields: bool = setting(
+        False, parse_bool, "true lets a form that may carry vllm_xargs pass the client guard unread: vLLM's "
+        "transcription and translation endpoints decode it as JSON into extra_args, kv_transfer_params included "
+        "(docs/security.md)")
     decode_queue_limit: int = setting(
         0, non_negative_int, "refuse P/D requests (503 pd_overloaded, before any prefill) while the local decode "
         "worker has more than this many requests waiting; 0 = off")
@@ -257,6 +271,24 @@ def load_settings(environ: Mapping[str, str], flags: Mapping[str, str | None] | 
     if problems:
         raise ConfigError("inconsistent settings:\n  " + "\n  ".join(problems))
     return settings
+
+
+def open_prefill_policy(settings: Settings) -> str:
+    """Why ``serve`` must not start with these settings, or "": outside demo mode, something must stop a
+    client from choosing where the server sends its prompt and credentials. In sidecar mode an allow-list
+    or trusted sources (only those peers may name a target); in gateway mode an allow-list (the picker
+    names the target there, and trusted sources apply to our own Envoy bootstrap only)."""
+    if settings.demo or settings.prefill_allow or settings.adapter == "none":
+        return ""
+    if settings.mode == "gateway":
+        return ("refusing to start in gateway mode without PD_EXTPROC_PREFILL_ALLOW: set it to the prefill pods' "
+                "CIDR and port (e.g. 10.0.0.0/8:8000) or their Service name (README, Security model)")
+    if settings.trusted_sources:
+        return ""
+    return ("refusing to start with neither PD_EXTPROC_PREFILL_ALLOW nor PD_EXTPROC_TRUSTED_SOURCES: any client "
+            "could choose where this server sends its prompt and credentials. Set PD_EXTPROC_PREFILL_ALLOW to the "
+            "prefill workers (CIDR:ports or name:ports) and/or PD_EXTPROC_TRUSTED_SOURCES to the gateway's CIDRs "
+            "(README, Security model); PD_EXTPROC_DEMO=true is for the emulated demo only")
 
 
 def _did_you_mean(name: str) -> str:

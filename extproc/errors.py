@@ -28,6 +28,7 @@ class Code(StrEnum):
     UNSUPPORTED_ENDPOINT = "unsupported_endpoint"
     UNSUPPORTED_PD_VARIANT = "unsupported_pd_variant"
     RESERVED_REQUEST_FIELD = "reserved_request_field"
+    UNINSPECTABLE_REQUEST_BODY = "uninspectable_request_body"
     REQUEST_TOO_LARGE = "request_too_large"
     INVALID_PREFILL_TARGET = "invalid_prefill_target"
     PREFILL_TARGET_FORBIDDEN = "prefill_target_forbidden"
@@ -77,6 +78,10 @@ SPEC: Mapping[Code, ErrorSpec] = {
     ),
     Code.RESERVED_REQUEST_FIELD: ErrorSpec(
         400, _REQ, "The field {param} is set by disaggregated serving and must not be supplied by the client."
+    ),
+    Code.UNINSPECTABLE_REQUEST_BODY: ErrorSpec(
+        415, _REQ, "The request cannot be inspected before it reaches the engine ({param}): send it uncompressed, "
+        "as UTF-8 JSON, or as a form without fields the engine decodes as JSON."
     ),
     Code.REQUEST_TOO_LARGE: ErrorSpec(413, _REQ, "The request body exceeds the configured size limit."),
     Code.INVALID_PREFILL_TARGET: ErrorSpec(

@@ -25,20 +25,20 @@ def upstream_status_error(status: int, content_type: str | None = None, body: by
 def parse_prefill_object(reply: WorkerReply) -> tuple[dict[str, Any], list[jsonspan.Member]]:
     """The reply's JSON object and its top-level member spans. Never relays the reply's bytes."""
     parsed = _parse_object(reply)
-    spans = jsonspan.unique_members(reply.body)
-    if spans is None:
-        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
-    return parsed, spans
+    try:
+        return parsed, jsonspan.unique_members(reply.body)
+    except jsonspan.RepeatedKey:
+        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
 
 
 def parse_prefill_member(reply: WorkerReply, name: str) -> tuple[dict[str, Any], bytes | None]:
     """The reply's JSON object and the raw bytes of its top-level member ``name`` (None if absent): the
     checks of ``parse_prefill_object`` (a repeated key refused the same way), without the spans."""
     parsed = _parse_object(reply)
-    count, value = jsonspan.count_and_value(reply.body, name)
-    if count != len(parsed):
-        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
-    return parsed, value
+    try:
+        return parsed, jsonspan.unique_value(reply.body, name, parsed)
+    except jsonspan.RepeatedKey:
+        raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
 
 
 def _parse_object(reply: WorkerReply) -> dict[str, Any]:

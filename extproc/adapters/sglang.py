@@ -41,7 +41,7 @@ from extproc.adapters.base import (
 )
 from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.core import jsonspan
-from extproc.core.fields import ReservedField, handoff_error, is_port
+from extproc.core.fields import ReservedField, handoff_error, handoff_members, is_port
 from extproc.core.openai_request import ClientRequest
 from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
@@ -124,10 +124,13 @@ def decode_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> b
 
 def check_prefill_reply(reply: WorkerReply) -> None:
     """A drained prefill reply is a success only if it is SGLang's non-aborted completion."""
-    parsed, _ = parse_prefill_object(reply)
+    parsed, spans = parse_prefill_object(reply)
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise handoff_error("choices", Problem.MISSING)
+    choice_raw = jsonspan.first_element(jsonspan.member_value(reply.body, spans, "choices") or b"[]")
+    assert choice_raw is not None
+    handoff_members(choice_raw, "choices")  # finish_reason once: "abort" cannot hide behind a second copy
     if choices[0].get("finish_reason") == "abort":
         raise handoff_error("choices.finish_reason", Problem.ABORTED)
 

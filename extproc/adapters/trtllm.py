@@ -55,6 +55,7 @@ from extproc.core.fields import (
     ReservedField,
     equals,
     handoff_error,
+    handoff_members,
     int_at_least,
     is_int,
     list_of,
@@ -143,6 +144,7 @@ class ContextResult:
     raw: bytes  # the whole context response
     spans: list[jsonspan.Member]
     choice_raw: bytes  # choices[0], as written
+    choice_spans: list[jsonspan.Member]  # its members, each key once
     finished: bool
 
 
@@ -154,8 +156,12 @@ def read_context_reply(reply: WorkerReply) -> ContextResult:
         raise handoff_error("choices", Problem.INVALID)
     choices_raw = jsonspan.member_value(reply.body, spans, "choices")
     assert choices_raw is not None
+    choice_raw = _only_element(choices_raw)
+    # finish_reason and disaggregated_params are read from the parsed copy (the last of two) and the
+    # params forwarded from the spans (the first): a choice naming either twice is refused.
+    choice_spans = handoff_members(choice_raw, "choices")
     finished = choices[0].get("finish_reason") not in NEEDS_GENERATION
-    return ContextResult(parsed, reply.body, spans, _only_element(choices_raw), finished)
+    return ContextResult(parsed, reply.body, spans, choice_raw, choice_spans, finished)
 
 
 def _only_element(array_raw: bytes) -> bytes:
@@ -163,13 +169,8 @@ def _only_element(array_raw: bytes) -> bytes:
     return array_raw.strip()[1:-1].strip()
 
 
-def generation_params(choice_raw: bytes) -> bytes:
+def generation_params(params_raw: bytes, spans: list[jsonspan.Member]) -> bytes:
     """The context's params, byte for byte, with request_type "generation_only"."""
-    params_raw = jsonspan.member_value(choice_raw, jsonspan.members(choice_raw), KEY)
-    assert params_raw is not None
-    spans = jsonspan.unique_members(params_raw)
-    if spans is None:
-        raise handoff_error(KEY, Problem.DUPLICATE_FIELD)
     return jsonspan.rebuild(params_raw, spans, {"request_type": _GENERATION_ONLY})
 
 
@@ -257,13 +258,17 @@ class TrtllmAdapter(SequentialAdapter):
         if context.finished:
             return direct_answer(request, context)
         params = context.parsed["choices"][0].get(KEY)
+        params_raw = jsonspan.member_value(context.choice_raw, context.choice_spans, KEY)
+        # Each params key once before any is checked: the checked copy is the forwarded one.
+        params_spans = handoff_members(params_raw, KEY) if isinstance(params, dict) and params_raw else []
         RULES.check(params)
         if not _prompt_token_ids(context.parsed.get("prompt_token_ids")):
             raise handoff_error("prompt_token_ids", Problem.MISSING if "prompt_token_ids" not in context.parsed
                                 else Problem.INVALID)
         prompt_ids = jsonspan.member_value(context.raw, context.spans, "prompt_token_ids")
         assert prompt_ids is not None
-        body = generation_body(request, generation_params(context.choice_raw), prompt_ids)
+        assert params_raw is not None
+        body = generation_body(request, generation_params(params_raw, params_spans), prompt_ids)
         headers: tuple[tuple[str, bytes], ...] = ()
         if self._auth_key is not None and needs_signature(params):
             headers = ((AUTH_HEADER, signature(self._auth_key, params).encode()),)

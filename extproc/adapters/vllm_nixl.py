@@ -33,6 +33,7 @@ from extproc.core.fields import (
     FieldRules,
     ReservedField,
     equals,
+    handoff_members,
     int_at_least,
     is_port,
     non_empty_str,
@@ -136,6 +137,8 @@ def handoff_from_reply(reply: WorkerReply, protocol: str) -> bytes:
     """Validate the prefill reply and return the raw bytes of its kv_transfer_params value."""
     parsed, raw = parse_prefill_member(reply, KEY)
     params: Any = parsed.get(KEY)
+    if isinstance(params, dict) and raw is not None:
+        handoff_members(raw, KEY)  # each field once: the copy validated is the one decode reads
     validate_handoff(params, protocol)
     assert raw is not None
     return raw

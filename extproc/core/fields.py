@@ -55,6 +55,15 @@ def handoff_error(field: str, problem: Problem) -> PdError:
     return PdError(Code.INVALID_PREFILL_HANDOFF, field=field, problem=problem)
 
 
+def handoff_members(raw: bytes, field: str) -> list[jsonspan.Member]:
+    """The members of an object inside a prefill reply that an adapter reads (``raw`` a JSON object a
+    parser accepted), each key once: a repeated key is ``<field> has a duplicate field``."""
+    try:
+        return jsonspan.unique_members(raw)
+    except jsonspan.RepeatedKey:
+        raise handoff_error(field, Problem.DUPLICATE_FIELD) from None
+
+
 @dataclass(frozen=True, slots=True)
 class FieldRule:
     check: Check

@@ -9,7 +9,7 @@ members, it does not validate.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import NamedTuple
 
 import orjson
@@ -160,11 +160,38 @@ def members(raw: bytes) -> list[Member]:
         pos = separator.end()
 
 
-def unique_members(raw: bytes) -> list[Member] | None:
-    """The members, or None when a key repeats: parsers disagree on which duplicate wins, so a body
-    with one is refused rather than guessed at."""
+class RepeatedKey(ValueError):
+    """An object names a key twice. Parsers disagree on which copy wins (orjson and Python's json keep
+    the last, a reader of spans the first), so a value is read only from an object where every key is
+    there once: what we check is then what we forward."""
+
+
+def unique_members(raw: bytes) -> list[Member]:
+    """The members of an object read field by field: the one helper for "exactly one member". Raises
+    RepeatedKey when any key repeats; the caller turns that into its documented error."""
     found = members(raw)
-    return found if len({m.name for m in found}) == len(found) else None
+    if len({m.name for m in found}) != len(found):
+        raise RepeatedKey()
+    return found
+
+
+def unique_value(raw: bytes, name: str, parsed: Sized) -> bytes | None:
+    """``member_value(raw, unique_members(raw), name)`` for ``raw`` whose parsed object is ``parsed``,
+    without building the members: a repeated key shows as fewer parsed keys than members."""
+    count, value = count_and_value(raw, name)
+    if count != len(parsed):
+        raise RepeatedKey()
+    return value
+
+
+def first_element(array_raw: bytes) -> bytes | None:
+    """The raw bytes of the first element of a JSON array (None if it is empty)."""
+    pos = _skip_ws(array_raw, 0)
+    assert array_raw[pos:pos + 1] == b"["
+    pos = _skip_ws(array_raw, pos + 1)
+    if array_raw[pos:pos + 1] == b"]":
+        return None
+    return array_raw[pos:_value_end(array_raw, pos)]
 
 
 def count_and_value(raw: bytes, name: str) -> tuple[int, bytes | None]:

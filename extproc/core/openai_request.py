@@ -73,9 +73,10 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
         raise PdError(Code.INVALID_REQUEST_BODY) from None
     if not isinstance(body, dict):
         raise PdError(Code.INVALID_REQUEST_BODY)
-    members = jsonspan.unique_members(raw)
-    if members is None:  # we refuse rather than guess which duplicate the engine sees
-        raise PdError(Code.INVALID_REQUEST_BODY)
+    try:
+        members = jsonspan.unique_members(raw)
+    except jsonspan.RepeatedKey:  # we refuse rather than guess which duplicate the engine sees
+        raise PdError(Code.INVALID_REQUEST_BODY) from None
     request = ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
                             unsupported=_check_fields(endpoint, body))
     if not allow_unsupported:

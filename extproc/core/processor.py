@@ -154,6 +154,8 @@ class PdProcessor:
         except asyncio.CancelledError:
             self._finish(record, "cancelled", 499)
             raise
+        except Exception:
+            return self._refuse(record, _bug(record))
         return Pending(record, target)
 
     def refuse_now(self, pending: Pending, code: Code) -> pb.ProcessingResponse:
@@ -200,8 +202,7 @@ class PdProcessor:
             self._finish(record, "cancelled", 499)
             raise
         except Exception:
-            log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
-            return BodyOutcome(self._refuse(record, PdError(Code.INTERNAL_ERROR)))
+            return BodyOutcome(self._refuse(record, _bug(record)))
         self._finish(record, record.outcome, record.status)
         return BodyOutcome(response)
 
@@ -270,19 +271,6 @@ class PdProcessor:
             reply = await self._post_prefill(head, request, target, plan.prefill_body, record,
                                              Bounds(adapter.prefill_deadline, adapter.prefill_deadline))
             adapter.check_prefill(reply)
-        except PdError as error:
-            self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
-            record.handoff_problem = error.handoff_reason
-            if error.relayed is not None:
-                record.prefill_error = error.relayed.reason
-            handle.failure = error
-            if handle.decode_answer_relayed is not None:  # too late to be the answer: the client has decode's
-                self._finish(record, "ok", handle.decode_answer_relayed)
-                return
-            if plan.abort is not None and not handle.decode_answered.is_set():
-                record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
-            self._finish(record, error.code.value, error.status)
-            return
         except asyncio.CancelledError:
             # Ended by us after decode's answer went to the client (decode's error: abandoned; or a
             # drain): that answer is the outcome, as with the sequential engines.
@@ -291,11 +279,26 @@ class PdProcessor:
             else:
                 self._finish(record, "cancelled", 499)
             raise
-        except Exception:
-            log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
-            self._finish(record, Code.INTERNAL_ERROR.value, 500)
+        except Exception as exc:
+            # A bug fails the prefill like any PdError: decode waits for this prefill's KV, so it is
+            # aborted whatever ended the prefill, and the failure is counted and answered.
+            await self._background_failed(exc if isinstance(exc, PdError) else _bug(record), plan, record, handle)
             return
         self._finish(record, "ok", 200)
+
+    async def _background_failed(self, error: PdError, plan: ConcurrentPlan, record: RequestRecord,
+                                 handle: BackgroundPrefill) -> None:
+        self._metrics.background_failures.labels(record.adapter, error.code.value).inc()
+        record.handoff_problem = error.handoff_reason
+        if error.relayed is not None:
+            record.prefill_error = error.relayed.reason
+        handle.failure = error
+        if handle.decode_answer_relayed is not None:  # too late to be the answer: the client has decode's
+            self._finish(record, "ok", handle.decode_answer_relayed)
+            return
+        if plan.abort is not None and not handle.decode_answered.is_set():
+            record.decode_aborted = await self._abort_decode(plan, record, handle.decode_answered)
+        self._finish(record, error.code.value, error.status)
 
     def _background_done(self, task: Task, record: RequestRecord) -> None:
         self._leave()
@@ -313,6 +316,8 @@ class PdProcessor:
                 reply = await self._transport.post(self._decode, plan.abort.path, headers, plan.abort.body)
             except PdError as error:
                 log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
+            except Exception:  # a bug: the next try may still end decode
+                _bug(record)
             else:
                 accepted = accepted or reply.status == 200
                 if reply.status != 200:
@@ -399,6 +404,13 @@ class PdProcessor:
         if record.prefill_error is not None:
             extra["prefill_error"] = record.prefill_error
         logs.info(log, "pd_request", extra)
+
+
+def _bug(record: RequestRecord) -> PdError:
+    """Log the exception being handled (a bug: our code raises only PdError) and return the error the
+    client gets for it."""
+    log.exception("bug in the P/D processor", extra={"request_id": record.request_id})
+    return PdError(Code.INTERNAL_ERROR)
 
 
 def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:

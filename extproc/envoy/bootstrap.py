@@ -21,6 +21,7 @@ from extproc.core.headers import PICKER_HEADERS
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.guard import LUA_RESPONSE_DETAILS, disabled_on_route, guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
+from extproc.envoy.pd_request import PD_METHOD, PD_PATH_REGEX
 from extproc.errors import SPEC, Code
 from extproc.units import Address, format_duration
 from extproc.workers import worker_listens
@@ -33,7 +34,7 @@ DECODE_CLUSTER = "decode"
 # On PD_EXTPROC_ENVOY_STATS_LISTEN: the decode engine's own metrics page (engine_metrics_path).
 ENGINE_METRICS_PATH = "/engine/metrics"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
-PD_PATH_REGEX = "/v1/(chat/)?completions"
+BODY_LIMIT_FILTER = "envoy.filters.http.body_size_limit"
 
 _TYPE = "@type"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -59,9 +60,12 @@ DECODE_STAT = "decode_ms"
 UNTRUSTED_PICKER_ROUTE = "untrusted_picker_header"
 UNTRUSTED_PICKER_STAT = "untrusted_picker_header_rq"
 # response.flags == 0: a stream the client abandoned keeps "via_upstream" but has no US_RX_END.
-_PD_SERVED = ("xds.route_name == 'pd' && response.code_details == 'via_upstream' && response.flags == 0u"
-              f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata"
-              f" && 'fallback' in metadata.filter_metadata['{METADATA_NAMESPACE}'])")
+def _pd_served(route_name: str) -> str:
+    return (f"xds.route_name == '{route_name}' && response.code_details == 'via_upstream' && response.flags == 0u"
+            f" && !('{METADATA_NAMESPACE}' in metadata.filter_metadata"
+            f" && 'fallback' in metadata.filter_metadata['{METADATA_NAMESPACE}'])")
+
+
 # A stream's first body byte from decode: vLLM, SGLang and TensorRT-LLM send the response head as
 # soon as the request is accepted and the first SSE event once the first token exists.
 _STREAMED = "'content-type' in response.headers && response.headers['content-type'].startsWith('text/event-stream')"
@@ -208,7 +212,7 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "match": {
             "safe_regex": {"regex": PD_PATH_REGEX},
             "headers": [
-                {"name": ":method", "string_match": {"exact": "POST"}},
+                {"name": ":method", "string_match": {"exact": PD_METHOD}},
                 {"name": PREFILL_TARGET_HEADER, "present_match": True},
             ],
         },
@@ -229,9 +233,10 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
     return [pd_route, passthrough]
 
 
-def _timing_logs() -> list[dict[str, Any]]:
+def timing_logs(route_name: str = "pd") -> list[dict[str, Any]]:
     """TTFT from the client's first byte to decode's first body byte (streams only: a whole JSON answer
-    has no first token to time); decode time from the first byte Envoy sends decode to its last."""
+    has no first token to time); decode time from the first byte Envoy sends decode to its last. Only
+    requests P/D served on ``route_name``."""
     def histogram(name: str, start: str, end: str, tags: list[dict[str, str]]) -> dict[str, Any]:
         return {"stat": {"name": name, "tags": tags}, "unit": "Milliseconds",
                 "value_format": f"%COMMON_DURATION({start}:{end}:ms)%"}
@@ -242,9 +247,9 @@ def _timing_logs() -> list[dict[str, Any]]:
                                  "histograms": histograms}}
 
     return [
-        stats_log(f"{_PD_SERVED} && {_STREAMED}",
+        stats_log(f"{_pd_served(route_name)} && {_STREAMED}",
                   [histogram(TTFT_STAT, "DS_RX_BEG", "US_RX_BODY_BEG", [])]),
-        stats_log(_PD_SERVED, [histogram(DECODE_STAT, "US_TX_BEG", "US_RX_END",
+        stats_log(_pd_served(route_name), [histogram(DECODE_STAT, "US_TX_BEG", "US_RX_END",
                                          [{"name": "code", "value_format": "%RESPONSE_CODE%"}])]),
     ]
 
@@ -257,13 +262,22 @@ def _untrusted_picker_log() -> dict[str, Any]:
                              "counters": [{"stat": {"name": UNTRUSTED_PICKER_STAT}, "value_fixed": 1}]}}
 
 
+def body_limit_filter(settings: Settings) -> dict[str, Any]:
+    return {"name": BODY_LIMIT_FILTER,
+            "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}}
+
+
+def stats_config() -> dict[str, Any]:
+    """The timing histograms' buckets (bootstrap level)."""
+    return {"histogram_bucket_settings": [{
+        "match": {"prefix": f"{TIMING_STAT_PREFIX}."}, "buckets": list(TIMING_BUCKETS_MS)}]}
+
+
 def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
-    filters: list[dict[str, Any]] = [
-        {"name": "envoy.filters.http.body_size_limit",
-         "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}},
-    ]
+    filters: list[dict[str, Any]] = [body_limit_filter(settings)]
     if not settings.trust_client_steering:
-        filters.append(guard_filter())
+        filters.append(guard_filter(allow_compressed=settings.guard_allow_compressed_bodies,
+                                    allow_form_json=settings.guard_allow_form_json_fields))
     if pd_enabled:
         filters.append({"name": EXT_PROC_FILTER, "disabled": True, "typed_config": _ext_proc_filter(settings)})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {_TYPE: _ROUTER}})
@@ -290,7 +304,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "upstream": "%UPSTREAM_HOST%",
                 "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
-        }, *(_timing_logs() if pd_enabled else [_untrusted_picker_log()])],
+        }, *(timing_logs() if pd_enabled else [_untrusted_picker_log()])],
         "local_reply_config": _local_reply_config(),
         "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
             {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
@@ -419,8 +433,7 @@ def render(settings: Settings) -> dict[str, Any]:
         # Histograms are merged for /stats/prometheus at each flush: every second, not Envoy's 5 s
         # (measured on this machine: idle Envoy 2.7 -> 4.0 ms of CPU per second).
         "stats_flush_interval": "1s",
-        "stats_config": {"histogram_bucket_settings": [{
-            "match": {"prefix": f"{TIMING_STAT_PREFIX}."}, "buckets": list(TIMING_BUCKETS_MS)}]},
+        "stats_config": stats_config(),
         "static_resources": {
             "listeners": listeners,
             "clusters": clusters,

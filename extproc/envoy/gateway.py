@@ -6,11 +6,13 @@ x-prefiller-host-port: the picker adds that header mid-chain, after Envoy has fi
 for the request, so such a route never enables the filter and every P/D request would reach decode
 without a handoff (envoyproxy/gateway#9444, envoyproxy/envoy#44739). The rendered filter is wrapped in a
 matcher that skips it when the header is absent (envoy/parts.py), so the server sees requests with
-the header; it lets through, after their headers message, those that are not P/D (and, where a
-gateway runs the filter without the matcher, every request without the header): the reply to the
-headers turns off the rest of the stream (``mode_override``: no body, no response headers), and Envoy
-closes the stream after it. A P/D request is one the sidecar's pd route would match: POST to
-/v1/chat/completions or /v1/completions carrying the picker's x-prefiller-host-port.
+the header. Where a gateway runs the filter without the matcher, a request without the header is let
+through after its headers message: the reply turns off the rest of the stream (``mode_override``: no
+body, no response headers), and Envoy closes the stream after it. A request with the header that is not
+P/D (another method or path: the picker may tag any request of the route) is never let through unseen:
+its body is checked for steering members (``inspect_tagged``), because the client guard is skipped for
+tagged requests only when they are P/D. A P/D request is one the sidecar's pd route would match
+(envoy/pd_request.py): POST to /v1/chat/completions or /v1/completions carrying x-prefiller-host-port.
 
 Envoy honours ``mode_override`` only with ``allow_mode_override`` in the filter, only on a headers
 reply, and only when the filter's configured body modes are not FULL_DUPLEX_STREAMED
@@ -22,18 +24,16 @@ other override is ever applied.
 
 from __future__ import annotations
 
-import re
-
+import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.core.headers import PICKER_HEADERS
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.core.steering import STEERING_FIELDS, refuse_steering
+from extproc.envoy import messages as msg
 from extproc.envoy.messages import RequestHead
-
-# The sidecar's pd route matches the same paths (envoy/bootstrap.py PD_PATH_REGEX, a full match on the path
-# without its query).
-PD_PATH = re.compile(r"/v1/(chat/)?completions")
+from extproc.envoy.pd_request import PREFILL_TARGET_HEADER, is_pd
+from extproc.errors import PdError
 
 _Mode = processing_mode_pb2.ProcessingMode
 PASSTHROUGH_MODE = _Mode(
@@ -46,12 +46,42 @@ PASSTHROUGH_MODE = _Mode(
 )
 
 
+def is_tagged(head: RequestHead) -> bool:
+    """The picker set x-prefiller-host-port (the client's own copy is removed before any filter runs)."""
+    return PREFILL_TARGET_HEADER in (name for name, _ in head.headers)
+
+
 def is_pd_request(head: RequestHead) -> bool:
-    """A request the sidecar's pd route would take: POST, a P/D path, the picker's prefill header (any
-    value: a bad one is refused later with invalid_prefill_target, exactly as in sidecar mode)."""
-    path = head.path.split("?", 1)[0]
-    return (head.first(":method") == "POST" and PD_PATH.fullmatch(path) is not None
-            and PREFILL_TARGET_HEADER in (name for name, _ in head.headers))
+    """A request the sidecar's pd route would take (envoy/pd_request.py: the one rule)."""
+    return is_pd(head.first(":method"), head.path, is_tagged(head))
+
+
+# A JSON key spells a steering member's last name either literally or with a \u escape (the names are
+# ASCII letters and "_", which no other escape yields): a body with neither is not parsed at all.
+_LAST_NAMES = tuple(sorted({field.path[-1].encode() for field in STEERING_FIELDS}))
+
+
+def _may_steer(body: bytes) -> bool:
+    return b"\\u" in body or any(name in body for name in _LAST_NAMES)
+
+
+def inspect_tagged(body: bytes) -> pb.ProcessingResponse:
+    """A tagged request that is not P/D (another method or path): its body, which the engine may read as
+    JSON whatever the path, is checked for steering members as on the P/D route. Refused with the same
+    400 reserved_request_field; otherwise continued unchanged but for the picker's headers. A body that
+    is not a JSON object carries no member to check here (the client guard in front judges other kinds)."""
+    try:
+        parsed = orjson.loads(body) if _may_steer(body) else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict):
+        try:
+            refuse_steering(parsed)
+        except PdError as exc:
+            return msg.error_reply(exc.code, exc.status, exc.field)
+    response = pb.ProcessingResponse(request_body=pb.BodyResponse())
+    response.request_body.response.header_mutation.remove_headers.extend(sorted(PICKER_HEADERS))
+    return response
 
 
 def passthrough() -> pb.ProcessingResponse:

@@ -1,9 +1,15 @@
 """``pd-extproc envoy-config --parts``: only what must be added to an Envoy you already run.
 
-Sidecar mode (the default): the pd route, the ext_proc http filter it enables, the ext_proc cluster and
-local-reply mappers, taken from the full bootstrap (envoy.bootstrap.render) so that both stay one source
-of truth. Gateway mode (``--mode gateway``): the ext_proc http filter to put right after the endpoint
+Sidecar mode (the default): the pd route, the http filters (body limit, client guard, ext_proc, and with
+trusted sources an RBAC filter the pd route enables), the ext_proc cluster, local-reply mappers, the
+timing loggers, the steering headers' removal on every route and what the user's other routes need for the
+guard, taken from the full bootstrap (envoy.bootstrap.render) so that both stay one source of truth.
+Gateway mode (``--mode gateway``): the guard and the ext_proc http filter to put right after the endpoint
 picker's, enabled on the whole inference route, plus what that route needs (docs/gateway.md).
+
+The parts cannot add a filter chain to the user's listener, so the bootstrap's trusted-sources split (a
+chain without the pd route for other peers) becomes an RBAC check on the pd route: a peer outside
+PD_EXTPROC_TRUSTED_SOURCES that names a prefill target is refused 403 prefill_target_forbidden.
 
 Every local-reply mapper is scoped to our route by name (CEL ``xds.route_name``), so it never rewrites
 the errors of the Envoy's other routes; put them before the Envoy's own mappers (the first match wins,
@@ -13,6 +19,7 @@ and ours match nothing outside our route).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,12 +41,17 @@ from extproc.envoy.bootstrap import (
     FALLBACK_HEADER,
     LocalReplyRule,
     _local_reply_config,
+    body_limit_filter,
     render,
+    stats_config,
+    timing_logs,
 )
 from extproc.envoy.gateway import PASSTHROUGH_MODE
 from extproc.envoy.guard import guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
+from extproc.envoy.pd_request import PD_FULL_PATH_REGEX, PD_METHOD
 from extproc.errors import Code
+from extproc.units import Address
 
 SIDECAR_ROUTE = "pd"  # the bootstrap's P/D route; the parts keep its name (the timing loggers' CEL uses it)
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
@@ -96,10 +108,20 @@ def _scoped(mappers: list[dict[str, Any]], route_name: str) -> list[dict[str, An
     return mappers
 
 
-def local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
+# The parts' trusted-sources check (RBAC on the pd route): its refusal is a prefill target this peer may not name.
+RBAC_FILTER = "envoy.filters.http.rbac"
+_RBAC = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
+_RBAC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBACPerRoute"
+_UNTRUSTED_RULE: LocalReplyRule = ("response.code_details.startsWith('rbac_access_denied')",
+                                   Code.PREFILL_TARGET_FORBIDDEN, False)
+
+
+def local_reply_mappers(route_name: str, trusted: bool = False) -> list[dict[str, Any]]:
     """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
-    replies left alone), each also conditioned on ``route_name``: nothing on any other route."""
-    return _scoped(_local_reply_config()["mappers"], route_name)  # a fresh copy each call
+    replies left alone), each also conditioned on ``route_name``: nothing on any other route. ``trusted``:
+    the RBAC refusal of an untrusted peer first."""
+    rules = (_UNTRUSTED_RULE, *_LOCAL_REPLY_RULES) if trusted else _LOCAL_REPLY_RULES
+    return _scoped(_local_reply_config(rules)["mappers"], route_name)  # a fresh copy each call
 
 
 def gateway_local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
@@ -107,18 +129,56 @@ def gateway_local_reply_mappers(route_name: str) -> list[dict[str, Any]]:
     return _scoped(_local_reply_config(gateway_local_reply_rules())["mappers"], route_name)
 
 
+def _trusted_only(settings: Settings) -> dict[str, Any]:
+    """RBACPerRoute for the pd route: only a direct peer in trusted_sources (the address Envoy's own filter
+    chain match reads, never X-Forwarded-For) may reach our server."""
+    principals = [{"direct_remote_ip": {"address_prefix": str(network.network_address),
+                                        "prefix_len": network.prefixlen}} for network in settings.trusted_sources]
+    return {_TYPE: _RBAC_PER_ROUTE, "rbac": {"rules": {"action": "ALLOW", "policies": {"trusted_sources": {
+        "permissions": [{"any": True}], "principals": principals}}}}}
+
+
+def _other_routes(settings: Settings) -> dict[str, Any]:
+    """What the virtual host that holds the pd route needs on every route (the bootstrap's passthrough
+    route): the picker's headers removed (read by us, for no engine), and the guard's body buffer."""
+    additions: dict[str, Any] = {"request_headers_to_remove": sorted(PICKER_HEADERS)}
+    if not settings.trust_client_steering:
+        additions["request_body_buffer_limit"] = settings.max_request_bytes
+    return additions
+
+
+def steering_header_removal() -> dict[str, Any]:
+    """For the connection manager (``early_header_mutation_extensions``): a client's steering headers are
+    removed before any filter runs, on every route (our server adds its own signature later, on the pd
+    route only)."""
+    return {"name": "envoy.http.early_header_mutation.header_mutation",
+            "typed_config": {_TYPE: _EARLY_MUTATION, "mutations": [{"remove": name} for name in stripped_headers()]}}
+
+
 def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> dict[str, Any]:
-    """The pd route (its cluster set to ``decode_cluster``), the disabled-by-default ext_proc filter it
-    enables, the ext_proc cluster, and the route-scoped local-reply mappers."""
+    """Everything the full bootstrap's trusted chain protects P/D with, as parts (module docstring)."""
     bootstrap = render(settings)
     route = _named(bootstrap, SIDECAR_ROUTE, "route")
     route["route"]["cluster"] = decode_cluster
-    return {
-        "http_filters": [_named(bootstrap, EXT_PROC_FILTER, "typed_config")],
+    filters = [body_limit_filter(settings)]
+    if not settings.trust_client_steering:
+        filters.append(guard_filter())
+    if settings.trusted_sources:
+        filters.append({"name": RBAC_FILTER, "disabled": True, "typed_config": {_TYPE: _RBAC}})
+        route["typed_per_filter_config"][RBAC_FILTER] = {_TYPE: _FILTER_CONFIG, "config": _trusted_only(settings)}
+    filters.append(_named(bootstrap, EXT_PROC_FILTER, "typed_config"))
+    parts: dict[str, Any] = {
+        "http_filters": filters,
         "routes": [route],
+        "virtual_host_additions": _other_routes(settings),
         "clusters": [_named(bootstrap, EXT_PROC_CLUSTER, "load_assignment")],
-        "local_reply_mappers": local_reply_mappers(SIDECAR_ROUTE),
+        "local_reply_mappers": local_reply_mappers(SIDECAR_ROUTE, trusted=bool(settings.trusted_sources)),
+        "access_log": timing_logs(SIDECAR_ROUTE),
+        "stats_config": stats_config(),
     }
+    if not settings.trust_client_steering:
+        parts["early_header_mutation_extensions"] = [steering_header_removal()]
+    return parts
 
 
 _MATCHER = "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher"
@@ -162,13 +222,29 @@ def _skipped_when(predicate: dict[str, Any], name: str, config: dict[str, Any]) 
                 "on_match": {"action": {"name": "skip", "typed_config": {_TYPE: _SKIP_FILTER}}}}]}}}
 
 
+def _header_matches(name: str, regex: str) -> dict[str, Any]:
+    return {"single_predicate": {
+        "input": {"name": name, "typed_config": {_TYPE: _HEADER_INPUT, "header_name": name}},
+        "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
+
+
+# What our server reads as P/D (envoy/pd_request.py, the one rule), as a matcher. The header rule is ".+":
+# an empty x-prefiller-host-port is P/D to the server (refused invalid_prefill_target) and not here, so the
+# guard reads such a body too: skipping less than the server reads is safe, skipping more never is.
+_PD_REQUEST = {"and_matcher": {"predicate": [
+    _header_matches(":method", re.escape(PD_METHOD)),
+    _header_matches(":path", PD_FULL_PATH_REGEX),
+    _PREFILL_HEADER_PRESENT,
+]}}
+
+
 def gateway_guard_filter() -> dict[str, Any]:
     """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
-    requests our server does not see: put right after the picker, it runs only when the picker set no
-    x-prefiller-host-port (a P/D request's body is checked by our server)."""
+    requests our server does not read as P/D: put right after the picker, it is skipped only for a request
+    our server will read as P/D (envoy/pd_request.py), whose body our server checks. A tagged request of
+    another method or path is read by both (gateway.inspect_tagged)."""
     guard = guard_filter()
-    return {"name": guard["name"], "typed_config": _skipped_when(_PREFILL_HEADER_PRESENT, guard["name"],
-                                                                 guard["typed_config"])}
+    return {"name": guard["name"], "typed_config": _skipped_when(_PD_REQUEST, guard["name"], guard["typed_config"])}
 
 
 def gateway_route_additions(settings: Settings) -> dict[str, Any]:
@@ -201,41 +277,66 @@ def early_header_mutation() -> dict[str, Any]:
             "typed_config": {_TYPE: _EARLY_MUTATION, "mutations": [{"remove": name} for name in names]}}
 
 
-def gateway_parts(settings: Settings, route_name: str) -> dict[str, Any]:
-    bootstrap = render(settings)
+def gateway_cluster(settings: Settings, ext_proc_address: Address | None) -> dict[str, Any]:
+    """The bootstrap's ext_proc cluster (health checks, HTTP/2, limits), resolving ``ext_proc_address``
+    (the pd-extproc Service) by DNS. Without one, its address is empty: Envoy refuses the config until it
+    is replaced (SocketAddress.address has a minimum length of 1)."""
+    cluster = _named(render(settings), EXT_PROC_CLUSTER, "load_assignment")
+    cluster["type"] = "STRICT_DNS"
+    cluster.pop("lb_policy", None)
+    host, port = (ext_proc_address.host, ext_proc_address.port) if ext_proc_address is not None else ("", 50051)
+    cluster["load_assignment"] = {"cluster_name": EXT_PROC_CLUSTER, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]}
+    return cluster
+
+
+def gateway_parts(settings: Settings, route_name: str, ext_proc_address: Address | None = None) -> dict[str, Any]:
     return {
-        "http_filters": [gateway_guard_filter(), gateway_filter(settings)],
+        "http_filters": [body_limit_filter(settings), gateway_guard_filter(), gateway_filter(settings)],
         "route_additions": gateway_route_additions(settings),
-        "clusters": [_named(bootstrap, EXT_PROC_CLUSTER, "load_assignment")],
+        "clusters": [gateway_cluster(settings, ext_proc_address)],
         "local_reply_mappers": gateway_local_reply_mappers(route_name),
         "early_header_mutation_extensions": [early_header_mutation()],
+        "access_log": timing_logs(route_name),
+        "stats_config": stats_config(),
     }
 
 
 _SIDECAR_NOTE = """\
 # pd-extproc drop-in parts (sidecar mode), rendered from PD_EXTPROC_* settings. Add them to your Envoy:
-#   http_filters:        before your router filter, in the connection manager that serves the decode worker
+#   http_filters:        in this order, before your router filter, in the connection manager that serves the
+#                        decode worker (the guard checks every route's bodies but the pd route's)
 #   routes:              before your own routes in that virtual host (set route.cluster to your decode cluster)
+#   virtual_host_additions: merged into that virtual host: every route of it gets them
 #   clusters:            as is (the ext_proc gRPC service)
 #   local_reply_mappers: first in your connection manager's local_reply_config.mappers; each matches only
 #                        on route "pd", so your other routes' errors are untouched
-# Do not change status_on_error, failure_mode_allow, message_timeout or processing_mode (README).
+#   access_log:          appended to that connection manager's access_log (the P/D timing histograms)
+#   stats_config:        merged into your bootstrap's stats_config (the histograms' buckets)
+#   early_header_mutation_extensions: in that connection manager: no client's steering header reaches an engine
+# Every virtual host of that connection manager without the pd route still gets the guard; give it the
+# virtual_host_additions too. Do not change status_on_error, failure_mode_allow, message_timeout or
+# processing_mode (README).
 """
 _GATEWAY_NOTE = """\
 # pd-extproc drop-in parts (gateway mode), rendered from PD_EXTPROC_* settings:
 #   http_filters:        immediately after the endpoint picker's ext_proc filter, in this order, before the router
 #   route_additions:     merged into the inference route (the HTTPRoute rule to the InferencePool)
-#   clusters:            the ext_proc gRPC service (point it at the pd-extproc Service)
+#   clusters:            the ext_proc gRPC service, resolved by DNS: render with --ext-proc-address <Service>:<port>
+#                        (left empty, Envoy refuses the config until you set it)
 #   local_reply_mappers: first in the connection manager's local_reply_config.mappers (scoped to that route)
 #   early_header_mutation_extensions: in the connection manager: only the picker may set these headers
+#   access_log:          appended to the connection manager's access_log (the P/D timing histograms)
+#   stats_config:        merged into the bootstrap's stats_config (the histograms' buckets)
 # Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error (510: the mappers tell our filter's
 # failures from the picker's by it), failure_mode_allow, message_timeout, processing_mode or
 # allowed_override_modes (README, docs/gateway.md).
 """
 
 
-def render_parts_yaml(settings: Settings, decode_cluster: str = DECODE_CLUSTER, route_name: str = "") -> str:
+def render_parts_yaml(settings: Settings, decode_cluster: str = DECODE_CLUSTER, route_name: str = "",
+                      ext_proc_address: Address | None = None) -> str:
     if settings.mode == "gateway":
-        parts = gateway_parts(settings, route_name or SIDECAR_ROUTE)
+        parts = gateway_parts(settings, route_name or SIDECAR_ROUTE, ext_proc_address)
         return _GATEWAY_NOTE + yaml.safe_dump(parts, sort_keys=False, width=120)
     return _SIDECAR_NOTE + yaml.safe_dump(sidecar_parts(settings, decode_cluster), sort_keys=False, width=120)

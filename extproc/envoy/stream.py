@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -25,12 +26,31 @@ log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
+class Phase(Enum):
+    """Where one ext_proc stream is; each phase accepts one message kind (``EXPECTS``), as h11's
+    ``_state.py`` does for a connection. Envoy's configured processing mode (envoy/bootstrap.py:
+    headers SEND, body BUFFERED, response headers SEND for a concurrent engine, nothing else) sends
+    exactly that order; any other message (a body chunk of a STREAMED mode, a second headers
+    message, trailers) is refused with a JSON 500 and a log line, never processed twice."""
+
+    HEADERS = "headers"
+    BODY = "body"  # the whole body, in one message (end_of_stream)
+    INSPECT = "inspect"  # gateway mode: the body of a tagged request that is not P/D (gateway.inspect_tagged)
+    DECODE_ANSWER = "decode_answer"  # decode's response headers, if Envoy sends them
+    DONE = "done"
+
+
+EXPECTS = {Phase.HEADERS: "request_headers", Phase.BODY: "request_body", Phase.INSPECT: "request_body",
+           Phase.DECODE_ANSWER: "response_headers"}
+
+
 @dataclass(slots=True)
 class _Stream:
     """One ext_proc stream's state, owned by its Process call."""
 
+    phase: Phase = Phase.HEADERS
     head: msg.RequestHead | None = None
-    pending: Pending | None = None
+    pending: Pending | None = None  # set in BODY: the request's record, not yet finished
     background: BackgroundPrefill | None = None  # a concurrent engine's prefill, still running
     decode_answered: bool = False
 
@@ -38,7 +58,8 @@ class _Stream:
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, processor: PdProcessor, passthrough: Callable[[], None] | None = None) -> None:
         """``passthrough`` (gateway mode): called for each request that is not P/D, which is then let
-        through after its headers message (extproc/envoy/gateway.py)."""
+        through after its headers message, or after its body when the picker tagged it
+        (extproc/envoy/gateway.py)."""
         self._processor = processor
         self._passthrough = passthrough
 
@@ -61,33 +82,75 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, bool]:
         """The reply to one message, and whether the stream is done."""
         kind = request.WhichOneof("request")
-        if kind == "request_headers":
-            stream.head = msg.head_from_headers(request.request_headers)
-            if self._passthrough is not None and not gateway.is_pd_request(stream.head):
-                self._passthrough()
-                return gateway.passthrough(), True
-            outcome = await self._processor.on_headers(stream.head)
-            if isinstance(outcome, pb.ProcessingResponse):
-                return outcome, True
-            stream.pending = outcome
-            if request.request_headers.end_of_stream:  # a P/D POST without a body
-                return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
-            return msg.continue_headers(), False
-        if kind == "request_body":
-            if stream.head is None or stream.pending is None:
-                log.error("request body arrived before its headers: check the Envoy processing mode")
-                return msg.error_reply(Code.INTERNAL_ERROR, 500), True
-            body = await self._processor.on_body(stream.head, stream.pending, request.request_body.body)
-            stream.background = body.background
-            if self._passthrough is not None:
-                return gateway.without_picker_headers(body.response), False
-            return body.response, False
-        if kind == "response_headers" and stream.background is not None:
-            stream.decode_answered = True
-            status = msg.response_status(request.response_headers)
-            return await self._processor.on_decode_answer(stream.background, status), False
-        # Not configured to arrive; answer so Envoy does not treat the stream as broken.
-        response = pb.ProcessingResponse()
-        if kind is not None:
-            getattr(response, kind).SetInParent()
+        if EXPECTS.get(stream.phase) != kind:
+            return self._out_of_order(stream, kind), True
+        if stream.phase is Phase.HEADERS:
+            return await self._on_headers(stream, request.request_headers)
+        if stream.phase is Phase.BODY:
+            return await self._on_body(stream, request.request_body)
+        if stream.phase is Phase.INSPECT:
+            return self._on_tagged_body(stream, request.request_body)
+        stream.phase = Phase.DONE
+        if stream.background is None:  # a sequential engine with response headers sent anyway
+            return msg.continue_response_headers(), False
+        stream.decode_answered = True
+        status = msg.response_status(request.response_headers)
+        return await self._processor.on_decode_answer(stream.background, status), False
+
+    async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
+        stream.phase = Phase.DONE
+        stream.head = msg.head_from_headers(headers)
+        if self._passthrough is not None and not gateway.is_pd_request(stream.head):
+            if gateway.is_tagged(stream.head) and not headers.end_of_stream:
+                stream.phase = Phase.INSPECT  # the guard in front skipped it only if P/D: never past us unseen
+                return msg.continue_headers(), False
+            self._passthrough()
+            return gateway.passthrough(), True
+        outcome = await self._processor.on_headers(stream.head)
+        if isinstance(outcome, pb.ProcessingResponse):
+            return outcome, True
+        if headers.end_of_stream:  # a P/D POST without a body
+            return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
+        stream.pending, stream.phase = outcome, Phase.BODY
+        return msg.continue_headers(), False
+
+    async def _on_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+        assert stream.head is not None and stream.pending is not None
+        pending, stream.pending = stream.pending, None
+        if not body.end_of_stream:  # a chunk: the mode is not BUFFERED, and we read whole bodies only
+            _log_out_of_order(stream.phase, "request_body chunk")
+            stream.phase = Phase.DONE
+            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR), True
+        outcome = await self._processor.on_body(stream.head, pending, body.body)
+        stream.background, stream.phase = outcome.background, Phase.DECODE_ANSWER
+        if self._passthrough is not None:
+            return gateway.without_picker_headers(outcome.response), False
+        return outcome.response, False
+
+    def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+        stream.phase = Phase.DONE
+        if not body.end_of_stream:
+            _log_out_of_order(Phase.INSPECT, "request_body chunk")
+            return msg.error_reply(Code.INTERNAL_ERROR, 500), True
+        response = gateway.inspect_tagged(body.body)
+        if response.WhichOneof("response") == "immediate_response":
+            log.info("refused a tagged request that is not P/D: its body carries a steering member")
+            return response, True
+        assert self._passthrough is not None
+        self._passthrough()
+        stream.phase = Phase.DECODE_ANSWER  # answered with a plain continue if Envoy sends it
         return response, False
+
+    def _out_of_order(self, stream: _Stream, kind: str | None) -> pb.ProcessingResponse:
+        """A message the phase does not expect: the request is refused, counted once (its record is
+        finished here only if no phase finished it yet)."""
+        _log_out_of_order(stream.phase, kind or "empty message")
+        pending, stream.pending, stream.phase = stream.pending, None, Phase.DONE
+        if pending is not None:
+            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR)
+        return msg.error_reply(Code.INTERNAL_ERROR, 500)
+
+
+def _log_out_of_order(phase: Phase, kind: str) -> None:
+    log.error("ext_proc message out of order: check the Envoy processing mode (headers SEND, body BUFFERED)",
+              extra={"phase": phase.value, "ext_proc_message": kind})

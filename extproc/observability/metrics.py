@@ -86,6 +86,10 @@ class Metrics:
         self.prefill_idle_connections = Gauge(
             "pd_extproc_prefill_idle_connections", "Idle keep-alive connections in the prefill pool.",
             registry=self.registry)
+        self.prefill_retries = Counter(
+            "pd_extproc_prefill_retries",
+            "Requests of the prefill client sent again, once, on a new connection: the reused keep-alive "
+            "connection ended before any byte of a response.", registry=self.registry)
         self.fallbacks = Counter(
             "pd_extproc_prefill_fallbacks",
             "P/D requests served whole by the decode worker, by reason: the prefill failure's code, or "
@@ -106,7 +110,7 @@ class Metrics:
             registry=self.registry)
         self.passthroughs = Counter(
             "pd_extproc_gateway_passthroughs",
-            "Gateway mode: requests that were not P/D (no x-prefiller-host-port), let through after their headers.",
+            "Gateway mode: requests that were not P/D, let through (a tagged one once its body was read).",
             registry=self.registry)
         self.request_bytes = Histogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],

@@ -7,6 +7,7 @@ This is the only module that talks to prefill workers. Every failure becomes a P
   * no address, or the connection failed or broke before a response head -> prefill_upstream_unavailable
   * the connection broke after the head, mid-body                        -> prefill_response_truncated
   * the body exceeds the cap (Content-Length, or while reading)          -> prefill_response_too_large
+  * the path or a header cannot be written as HTTP/1.1 (never sent)       -> invalid_request_field
 A non-200 status is returned without reading its body: it is never relayed (the connection is then
 closed, not reused). The exception -> code table is ``classify`` (pure; unit-tested row by row).
 
@@ -24,7 +25,7 @@ import ipaddress
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -35,10 +36,13 @@ from extproc.errors import Code, PdError
 from extproc.upstream import http1
 from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
-# An idle pooled connection older than this is closed, not reused: below the engines' own keep-alive
-# (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in
-# srt/environ.py, uvicorn's default), so we do not send a request into a connection the worker is
-# closing. A POST that met such a close is never retried: the prefill may have run.
+# The default idle limit (PD_EXTPROC_PREFILL_KEEPALIVE): an idle pooled connection older than this is
+# closed, not reused. Below the engines' own keep-alive (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in
+# vllm/envs.py, SGLang's SGLANG_TIMEOUT_KEEP_ALIVE in srt/environ.py, uvicorn's own default,
+# uvicorn/config.py Config.__init__ timeout_keep_alive=5 at 0.55), so we rarely send a request into a
+# connection the worker is closing. When we still do (a proxy in front with a shorter idle timeout, or
+# the race at the limit), the request is sent once more on a new connection, but only if the reused
+# connection ended before any byte of a response: see _request_head.
 KEEPALIVE_SECONDS = 4.0
 CHECKED_TARGETS_MAX = 1024  # IP targets already allowed by the (fixed) policy, kept to skip its check
 
@@ -64,6 +68,7 @@ class WorkerLimits:
     deadline: float
     max_response_bytes: int
     max_connections: int
+    keepalive: float = KEEPALIVE_SECONDS  # idle seconds after which a pooled connection is not reused
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +89,18 @@ def tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext:
 _PoolKey = tuple[str, int, str | None]  # (address, port, TLS server name or None)
 
 
-def _reusable(connection: http1.Connection, now: float) -> bool:
-    return connection.usable and now - connection.idle_since < KEEPALIVE_SECONDS
+class _Stale(Exception):
+    """A reused connection ended before any byte of the response: the worker closed it while idle."""
 
 
 class WorkerClient:
     """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
 
-    def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None) -> None:
+    def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None,
+                 on_retry: Callable[[], None] | None = None) -> None:
+        """``on_retry`` is called for each request sent again on a new connection (a metric)."""
         self._limits = limits
+        self._on_retry = on_retry
         self._policy = policy
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
@@ -179,21 +187,24 @@ class WorkerClient:
         server_name = (tls.server_name or target.target.host) if tls else None
         key = (str(target.ip), target.target.port, server_name)
         # The client's path and query go out exactly as received (no re-quoting of %2F).
-        request = http1.encode_request(method, path, target.target.authority, headers, body)
+        try:
+            request = http1.encode_request(method, path, target.target.authority, headers, body)
+        except http1.InvalidRequest as exc:  # never through Envoy, which refuses such a path or header first
+            raise PdError(Code.INVALID_REQUEST_FIELD, field=exc.part) from None
         connection = self._pooled(key)
         try:
             if connection is None:
                 connection = await self._connect(key, tls, timings, deadline_at)
-            assert connection.transport is not None
-            connection.deadline = deadline_at
-            try:
-                connection.transport.write(request)
-            except (OSError, RuntimeError):  # uvloop raises RuntimeError on a transport already closed
-                raise PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
-            try:
-                head = await connection.read_head(gap)
-            except OSError as exc:  # http1's errors, a reset: nothing usable before the head
-                raise PdError(classify(exc, Phase.HEAD)) from None
+                head = await self._request_head(connection, request, gap, deadline_at, reused=False)
+            else:
+                try:
+                    head = await self._request_head(connection, request, gap, deadline_at, reused=True)
+                except _Stale:
+                    connection.close()
+                    if self._on_retry is not None:
+                        self._on_retry()
+                    connection = await self._connect(key, tls, timings, deadline_at)
+                    head = await self._request_head(connection, request, gap, deadline_at, reused=False)
             if timings is not None:
                 timings.response_seconds = time.perf_counter() - started
                 timings.status = head.status
@@ -212,12 +223,35 @@ class WorkerClient:
                 connection.idle_since = now = time.monotonic()
                 self._idle.setdefault(key, []).append(connection)
                 connection = None
-                if now - self._swept >= KEEPALIVE_SECONDS:
+                if now - self._swept >= self._limits.keepalive:
                     self._sweep(now)
             return WorkerReply(200, content_type, body_read)
         finally:
             if connection is not None:  # anything but a complete, reusable exchange: never reused
                 connection.close()
+
+    async def _request_head(self, connection: http1.Connection, request: bytes, gap: float, deadline_at: float,
+                            reused: bool) -> http1.Head:
+        """Send the request and read the response head. On a reused connection that ends (closed or
+        reset) before any byte of a response, _Stale: the worker closed it while it was idle in our
+        pool, as its keep-alive ran out. Only then is a request sent again, once, on a new connection
+        (the caller): a worker that read the request and closed without a byte may have started it, so
+        a prefill can run twice; it then holds KV no decode claims until the engine's own expiry."""
+        assert connection.transport is not None
+        connection.deadline = deadline_at
+        connection.received_any = False
+        try:
+            connection.transport.write(request)
+            return await connection.read_head(gap)
+        except (OSError, RuntimeError) as exc:  # uvloop raises RuntimeError on a transport already closed
+            closed = isinstance(exc, ConnectionError | RuntimeError)  # not a timeout, not a bad response
+            if reused and closed and not connection.received_any:
+                raise _Stale() from None
+            raise PdError(classify(exc, Phase.HEAD) if isinstance(exc, OSError)
+                          else Code.PREFILL_UPSTREAM_UNAVAILABLE) from None
+
+    def _reusable(self, connection: http1.Connection, now: float) -> bool:
+        return connection.usable and now - connection.idle_since < self._limits.keepalive
 
     async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
         """An error answer's body, only where it may be the engine's own error about the request
@@ -237,7 +271,7 @@ class WorkerClient:
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if _reusable(connection, now):
+            if self._reusable(connection, now):
                 return connection
             connection.close()
         return None
@@ -249,7 +283,7 @@ class WorkerClient:
         for key in list(self._idle):
             kept = []
             for connection in self._idle[key]:
-                if _reusable(connection, now):
+                if self._reusable(connection, now):
                     kept.append(connection)
                 else:
                     connection.close()

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from extproc.adapters.prefill_json import upstream_status_error
+from extproc.core import jsonspan
 from extproc.errors import Code, PdError
 from extproc.upstream.transport import ResolvedTarget, Transport
 
@@ -58,6 +59,10 @@ class ServerInfoCache:
             raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
         if not isinstance(info, dict):
             raise PdError(Code.PREFILL_RESPONSE_NOT_JSON)
+        try:
+            jsonspan.unique_members(reply.body)  # a key twice: which copy the engine meant is unknown
+        except jsonspan.RepeatedKey:
+            raise PdError(Code.PREFILL_RESPONSE_NOT_JSON) from None
         return {key: value for key, value in info.items() if key in self._keep}
 
     def __len__(self) -> int:

@@ -99,3 +99,17 @@ def test_a_changed_setting_makes_the_rendered_config_stale(tmp_path: Path) -> No
 def test_settings_files_refuse_what_compose_would_read_differently(line: str) -> None:
     with pytest.raises(EnvFileError):
         parse_env_text(line)
+
+
+@pytest.mark.parametrize("files", [
+    (rm.COMPOSE_SETTINGS,), (rm.K8S_SETTINGS,), (rm.GATEWAY_SETTINGS,)],
+    ids=["compose", "k8s-base", "k8s-gateway-mode"])
+def test_every_shipped_shape_closes_the_prefill_policy(files: tuple[Path, ...]) -> None:
+    """The server refuses to start with neither an allow-list nor trusted sources (gateway mode: no
+    allow-list): every shape we ship sets one, so none of them starts open or fails to start."""
+    from extproc.config import load_settings, open_prefill_policy
+
+    environ = {name: value for path in files for name, value in read_env_file(path).items()}
+    settings = load_settings(environ)
+    assert not settings.demo and open_prefill_policy(settings) == ""
+    assert settings.prefill_allow, "an explicit list of prefill targets, not the default policy"

@@ -85,9 +85,16 @@ def test_the_offline_steps_of_the_own_envoy_page_render_merge_and_validate(tmp_p
     merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
     hcm = merged["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert [f["name"] for f in hcm["http_filters"]][-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    routes = vhost["routes"]
     assert routes[0]["name"] == "pd" and routes[0]["route"]["cluster"] == "my_decode"
     assert routes[-1]["route"] == {"cluster": "my_decode"}  # the user's own route, untouched and last
+    # Every part the renderer gives has a place (the page's script refuses a part it does not place).
+    parts = yaml.safe_load((tmp_path / "pd-parts.yaml").read_text())
+    for name, value in parts["virtual_host_additions"].items():
+        assert vhost[name] == value
+    assert hcm["access_log"] == parts["access_log"]
+    assert hcm["early_header_mutation_extensions"] == parts["early_header_mutation_extensions"]
 
 
 def _rendered(path: Path) -> list[dict[str, Any]]:

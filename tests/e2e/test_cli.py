@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from extproc import ready
-from tests.harness import envoy_bin
+from tests.harness import TEST_DEFAULTS, envoy_bin
 
 pytestmark = pytest.mark.dataplane
 CHAT = "/v1/chat/completions"
@@ -153,7 +153,7 @@ def test_up_refuses_a_port_that_is_taken() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        process = extproc("up", "--listen", f"127.0.0.1:{port}", "--decode", "127.0.0.1:9")
+        process = extproc("up", "--listen", f"127.0.0.1:{port}", "--decode", "127.0.0.1:9", env=TEST_DEFAULTS)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 1
     assert f"127.0.0.1:{port} (listen) is already in use" in err
@@ -168,7 +168,7 @@ def test_a_taken_metrics_port_is_one_clear_line(command: str) -> None:
         port = taken.getsockname()[1]
         envoy_listen = ["--listen", "127.0.0.1:0"] if command == "up" else []  # serve has no Envoy flags
         process = extproc(command, "--metrics-listen", f"127.0.0.1:{port}", "--grpc-listen", "127.0.0.1:0",
-                          *envoy_listen, "--decode", "127.0.0.1:9")
+                          *envoy_listen, "--decode", "127.0.0.1:9", env=TEST_DEFAULTS)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 1
     assert f"127.0.0.1:{port} (metrics_listen)" in err and "Traceback" not in err
@@ -176,7 +176,7 @@ def test_a_taken_metrics_port_is_one_clear_line(command: str) -> None:
 
 
 def test_up_says_clearly_when_envoy_is_missing() -> None:
-    process = extproc("up", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy")
+    process = extproc("up", "--listen", "127.0.0.1:0", "--envoy-bin", "/nonexistent/envoy", env=TEST_DEFAULTS)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 1
     assert "Envoy binary '/nonexistent/envoy' not found" in err

@@ -262,22 +262,53 @@ def test_passthrough_refuses_a_body_that_steers_the_engine(
 @pytest.mark.parametrize("case,raw,headers,status,code", [
     ("escaped-key", b'{"prompt": "hi", "kv\\u005ftransfer_params": {"do_remote_decode": true}}', _JSON, 400,
      "reserved_request_field"),
-    ("duplicate-key", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}, "kv_transfer_params": null}',
+    ("duplicate-key", b'{"prompt": "hi", "kv_transfer_params": null, "kv_transfer_params": {"do_remote_decode": true}}',
      _JSON, 400, "reserved_request_field"),
+    ("python-whitespace", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
+     {"content-type": b"application/json\xa0"}, 400, "reserved_request_field"),
     ("utf-16", '{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}'.encode("utf-16"), _JSON, 400,
      "invalid_request_body"),
     ("two-content-types", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
      [("content-type", "text/plain"), ("content-type", "application/json")], 415, "unsupported_media_type"),
-], ids=["escaped-key", "duplicate-key", "utf-16", "two-content-types"])
+], ids=["escaped-key", "duplicate-key", "python-whitespace", "utf-16", "two-content-types"])
 def test_passthrough_guard_cannot_be_read_differently_from_the_engine(
         stack: Stack, case: str, raw: bytes, headers: Any, status: int, code: str) -> None:
     """CPython's json (what FastAPI runs) decodes escaped keys, keeps the last duplicate and reads UTF-16;
-    FastAPI takes the first content-type. The guard refuses each, and fails closed where it cannot follow."""
+    email.message strips Python's whitespace (NBSP) from the media type; FastAPI takes the first content-type.
+    The guard refuses each, and fails closed where it cannot follow."""
     with stack.client() as client:
         response = client.post("/v1/completions", content=raw, headers=headers)
     error = assert_error(response, status, code)
     if code == "reserved_request_field":
         assert error["param"] == "kv_transfer_params"
+    assert_no_leg_ran(stack)
+
+
+BOUNDARY = "pd-guard-form"
+MULTIPART_FORM = (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nemulated\r\n"
+                  f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"vllm_xargs\"\r\n\r\n"
+                  '{"kv_transfer_params": "x"}\r\n'
+                  f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+                  f"Content-Type: audio/wav\r\n\r\nRIFF\x00\x00\x00\x00WAVE\r\n--{BOUNDARY}--\r\n").encode("latin-1")
+UNINSPECTABLE_BODIES = [
+    ("zstd", "x-body-compressed", {**_JSON, "x-body-compressed": "zstd"},
+     b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}'),
+    ("multipart-xargs", "vllm_xargs", {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}, MULTIPART_FORM),
+    ("urlencoded-xargs", "vllm_xargs", {"content-type": "application/x-www-form-urlencoded"},
+     b"model=emulated&vllm%5Fxargs=%7B%22kv_transfer_params%22%3A%22x%22%7D"),
+    ("multipart-charset", "content-type", {"content-type": f"multipart/form-data; boundary={BOUNDARY}; charset=cp500"},
+     MULTIPART_FORM.replace(b"vllm_xargs", b"language")),
+]
+
+
+@pytest.mark.parametrize("case,param,headers,raw", UNINSPECTABLE_BODIES, ids=[case[0] for case in UNINSPECTABLE_BODIES])
+def test_passthrough_refuses_a_body_the_engine_would_read_otherwise(
+        stack: Stack, case: str, param: str, headers: dict[str, str], raw: bytes) -> None:
+    """What the guard cannot read as the engine would (SGLang's zstd decompression; vLLM's vllm_xargs form
+    field, decoded as JSON; a multipart charset that changes how field names are decoded): refused, no leg."""
+    with stack.client() as client:
+        response = client.post("/v1/audio/transcriptions", content=raw, headers=headers)
+    assert assert_error(response, 415, "uninspectable_request_body")["param"] == param
     assert_no_leg_ran(stack)
 
 
@@ -293,6 +324,12 @@ LEGITIMATE_BODIES = [
                           b' "vllm_xargs": {"b": [1]}, "max_tokens": 2}', _JSON),
     ("not-json-for-the-engine", b'{"prompt": "hi", "kv_transfer_params": {"do_remote_decode": true}}',
      {"content-type": "text/plain"}),
+    ("duplicate-key-last-null", b'{"model": "emulated", "prompt": "hi", "kv_transfer_params": {"do_remote_decode":'
+                                b' true}, "kv_transfer_params": null, "max_tokens": 2}', _JSON),
+    ("form-without-json-fields", MULTIPART_FORM.replace(b"vllm_xargs", b"language").replace(
+        b'{"kv_transfer_params": "x"}', b"en"), {"content-type": f"multipart/form-data; boundary={BOUNDARY}"}),
+    ("form-in-utf-8", MULTIPART_FORM.replace(b"vllm_xargs", b"language"),
+     {"content-type": f"multipart/form-data; boundary={BOUNDARY}; charset=UTF-8"}),
 ]
 
 

@@ -1,8 +1,11 @@
 """`pd-extproc envoy-config --parts` merged into an Envoy config of the user's own: P/D works, the user's
-routes and their errors are untouched, and our server down gives our JSON 503 on our route only."""
+routes and their errors are untouched, and our server down gives our JSON 503 on our route only. The
+parts protect the user's routes as the full bootstrap protects its passthrough: steering members and
+headers never reach decode there, and with trusted sources only those peers may name a prefill target."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +27,7 @@ from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec, start_wor
 from pd_extproc_lab.process import Child, EnvoyProcess, python_child
 from pd_extproc_lab.stack import without_settings
 from tests.harness import READY_TIMEOUT, TEST_DEFAULTS, envoy_bin
-from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, closed_port, only
+from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, closed_port, eventually, only
 
 pytestmark = pytest.mark.dataplane
 
@@ -70,12 +73,16 @@ def users_envoy(decode: str) -> dict[str, Any]:
 
 
 def merge(config: dict[str, Any], parts: dict[str, Any]) -> dict[str, Any]:
-    """What the README tells an operator to do with the parts."""
+    """What the parts' own notes tell an operator to do with them."""
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"][-1:-1] = parts["http_filters"]  # before the router
-    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routes[:0] = parts["routes"]  # before the user's own routes
+    virtual_host = hcm["route_config"]["virtual_hosts"][0]
+    virtual_host["routes"][:0] = parts["routes"]  # before the user's own routes
+    virtual_host.update(parts["virtual_host_additions"])
     hcm["local_reply_config"]["mappers"][:0] = parts["local_reply_mappers"]
+    hcm.setdefault("access_log", []).extend(parts["access_log"])
+    hcm.setdefault("early_header_mutation_extensions", []).extend(parts["early_header_mutation_extensions"])
+    config.setdefault("stats_config", {}).update(parts["stats_config"])
     config["static_resources"]["clusters"].extend(parts["clusters"])
     return config
 
@@ -88,8 +95,9 @@ class Merged:
     url: str
     log_dir: Path
 
-    def post(self, path: str, body: dict[str, Any], pd: bool = True) -> httpx.Response:
-        headers = {"content-type": "application/json"}
+    def post(self, path: str, body: dict[str, Any], pd: bool = True,
+             headers: dict[str, str] | None = None) -> httpx.Response:
+        headers = {"content-type": "application/json", **(headers or {})}
         if pd:
             headers["x-prefiller-host-port"] = self.workers["prefill"].address
         with httpx.Client(base_url=self.url, timeout=60) as client:
@@ -100,13 +108,15 @@ class Merged:
             return client.get(path)
 
 
-@pytest.fixture(scope="module")
-def merged() -> Iterator[Merged]:
+@contextlib.contextmanager
+def merged_stack(trusted_sources: str) -> Iterator[Merged]:
+    """Emulated workers, our server, and the user's Envoy with the parts rendered for ``trusted_sources``."""
     log_dir = Path(tempfile.mkdtemp(prefix="pd-extproc-parts-"))
     env = without_settings(os.environ)
     workers = start_workers([WorkerSpec("prefill", "prefill"), WorkerSpec("decode", "decode")], log_dir,
                             READY_TIMEOUT, env)
-    settings_env = {**TEST_DEFAULTS, "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0"}
+    settings_env = {**TEST_DEFAULTS, "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0",
+                    "PD_EXTPROC_TRUSTED_SOURCES": trusted_sources}
     server = python_child("pd-extproc-serve", ["serve"], {**env, **settings_env}, log_dir)
     envoy: EnvoyProcess | None = None
     try:
@@ -130,6 +140,13 @@ def merged() -> Iterator[Merged]:
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def merged() -> Iterator[Merged]:
+    """Our loopback client is a trusted source: the RBAC check on our route lets it through."""
+    with merged_stack("127.0.0.0/8,::1/128") as stack:
+        yield stack
+
+
 @pytest.fixture
 def parts(merged: Merged) -> Merged:
     for worker in merged.workers.values():
@@ -150,6 +167,56 @@ def test_the_users_routes_and_their_errors_are_untouched(parts: Merged) -> None:
     assert parts.workers["prefill"].requests() == []
     gone = parts.get("/gone/x")
     assert gone.status_code == 503 and gone.text == USER_503, "the user's own local reply, not our JSON"
+
+
+_FORGED_KV = {"remote_host": "10.9.9.9", "remote_port": 5600, "remote_engine_id": "x", "remote_block_ids": [1],
+              "do_remote_prefill": True}
+
+
+@pytest.mark.parametrize("path,body", [
+    (COMPLETIONS, {"model": "emulated", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": _FORGED_KV}),
+    ("/v1/responses", {"model": "emulated", "input": "hi", "kv_transfer_params": _FORGED_KV}),
+    (CHAT, {**chat_body(), "bootstrap_host": "10.9.9.9", "bootstrap_room": 7}),
+], ids=["completions", "responses", "chat-sglang"])
+def test_steering_members_are_refused_on_the_users_route(parts: Merged, path: str, body: dict[str, Any]) -> None:
+    """No x-prefiller-host-port: the user's own catch-all route takes it, and the parts' guard refuses
+    it there with the P/D route's documented 400 (the parts used to render no guard at all)."""
+    response = parts.post(path, body, pd=False)
+    error = assert_error(response, 400, "reserved_request_field")
+    assert error["param"] in ("kv_transfer_params", "bootstrap_host", "bootstrap_room")
+    assert parts.workers["decode"].requests() == [] and parts.workers["prefill"].requests() == []
+
+
+def test_steering_headers_never_reach_decode_on_the_users_route(parts: Merged) -> None:
+    headers = {"x-override-bootstrap-host": "10.9.9.9", "x-trtllm-disagg-auth": "forged",
+               "x-kv-cache-source-host-port": "10.9.9.9:1"}
+    response = parts.post(COMPLETIONS, {"model": "emulated", "prompt": "hi", "max_tokens": 2}, pd=False,
+                          headers=headers)
+    assert response.status_code == 200, response.text
+    received = {name for name, _ in only(parts.workers["decode"].requests())["headers"]}
+    assert received.isdisjoint(headers), received & set(headers)
+
+
+def test_pd_timing_histograms_are_recorded(parts: Merged) -> None:
+    """The bootstrap's timing loggers come with the parts: a P/D request lands in pd.decode_ms (Envoy
+    merges histograms at its stats flush, so the sample shows up shortly after the answer)."""
+    assert parts.post(CHAT, chat_body(max_tokens=2)).status_code == 200
+
+    def recorded() -> bool:
+        stats = parts.envoy.admin_get("/stats?filter=^pd\\.decode_ms").decode()
+        return "pd.decode_ms.code.200" in stats and "No recorded values" not in stats
+
+    assert eventually(recorded), parts.envoy.admin_get("/stats?filter=^pd\\.").decode()
+
+
+def test_an_untrusted_peer_cannot_name_a_prefill_target() -> None:
+    """Trusted sources that exclude our loopback client: the pd route refuses it (403
+    prefill_target_forbidden) before our server or any worker is reached; its plain requests still pass."""
+    with merged_stack("10.0.0.0/8") as stack:
+        assert_error(stack.post(CHAT, chat_body()), 403, "prefill_target_forbidden")
+        assert stack.workers["prefill"].requests() == [] and stack.workers["decode"].requests() == []
+        assert stack.post(CHAT, chat_body(max_tokens=2), pd=False).status_code == 200
+        assert "kv_transfer_params" not in only(stack.workers["decode"].requests())["json"]
 
 
 def test_our_server_down_is_our_json_503_on_our_route_only(parts: Merged) -> None:

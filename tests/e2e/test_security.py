@@ -71,8 +71,9 @@ def target_stack() -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def default_policy_stack() -> Iterator[Stack]:
-    """No allow-list: the built-in default (no loopback, no link-local)."""
-    with running_stack({"PD_EXTPROC_PREFILL_ALLOW": ""}) as stack:
+    """No allow-list: the built-in default (no loopback, no link-local), which the server accepts only
+    with trusted sources (our loopback client is one)."""
+    with running_stack({"PD_EXTPROC_PREFILL_ALLOW": "", "PD_EXTPROC_TRUSTED_SOURCES": "127.0.0.0/8,::1/128"}) as stack:
         yield stack
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import Stack, running_stack
+from tests.harness import TEST_DEFAULTS, Stack, running_stack
 from tests.helpers import CHAT, assert_error, chat_body, eventually, post, scrape
 
 pytestmark = pytest.mark.dataplane
@@ -207,7 +207,7 @@ def test_the_decode_queue_is_read_once_and_sheds_on_every_worker() -> None:
 
 def serve(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "extproc", "serve", *args], text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0"})
+                            stderr=subprocess.PIPE, env={**os.environ, **TEST_DEFAULTS})
 
 
 def test_zero_workers_is_refused_with_a_clear_error() -> None:

@@ -52,6 +52,34 @@ def assert_steering_refused_before_the_picker(stack: GatewayStack, field: str) -
     assert stack.picker.seen() == [] and stack.pd_streams() == streams
 
 
+_STEERS = b'{"model": "emulated", "prompt": "hi", "kv_transfer_params": {"remote_host": "10.0.0.9"}}'
+# Bodies the guard cannot read as the engine would, or reads only as Python does (docs/security.md): each
+# with its headers, the refusal's status, code and param.
+UNREADABLE_BODIES = {
+    "x-body-compressed": ({**JSON, "x-body-compressed": "zstd"}, _STEERS, 415, "uninspectable_request_body",
+                          "x-body-compressed"),
+    "vllm_xargs-form": ({"content-type": "application/x-www-form-urlencoded"},
+                        b"model=emulated&vllm%5Fxargs=%7B%22kv_transfer_params%22%3A%22x%22%7D", 415,
+                        "uninspectable_request_body", "vllm_xargs"),
+    "nbsp-json": ({"content-type": "application/json\xa0"}, _STEERS, 400, "reserved_request_field",
+                  "kv_transfer_params"),
+}
+
+
+def assert_unreadable_body_refused_before_the_picker(stack: GatewayStack, case: str) -> None:
+    """A decode-only pick whose body the engine would read otherwise than as plain JSON (SGLang's zstd
+    decompression, vLLM's vllm_xargs form field, a media type only Python strips): refused by the guard,
+    no engine reached, the picker and pd-extproc never asked."""
+    headers, body, status, code, param = UNREADABLE_BODIES[case]
+    stack.pick("decode-b", pd=False)
+    streams = stack.pd_streams()
+    with stack.client() as client:
+        response = client.post(CHAT, content=body, headers={k: v.encode("latin-1") for k, v in headers.items()})
+    assert assert_error(response, status, code)["param"] == param
+    assert_nothing_reached_an_engine(stack)
+    assert stack.picker.seen() == [] and stack.pd_streams() == streams
+
+
 def assert_picker_down_is_gateway_error(stack: GatewayStack) -> None:
     """With the picker stopped: its failure (Envoy's 500) as gateway_error, never our pd_extproc_unavailable;
     our filter never called, no engine reached."""

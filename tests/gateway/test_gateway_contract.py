@@ -153,6 +153,38 @@ def test_a_request_with_the_header_that_is_not_pd_passes_through_after_one_heade
     assert "x-prefiller-host-port" not in dict(only(gw.decode("decode-c").requests())["headers"])
 
 
+RESPONSES = "/v1/responses"
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host"])
+def test_a_tagged_request_that_is_not_pd_and_steers_the_engine_is_refused(gw: GatewayStack, field: str) -> None:
+    """The picker tagged a POST /v1/responses (an engine reads kv_transfer_params there too). The guard used
+    to be skipped for every tagged request, and our server let a request that is not P/D through unseen:
+    decode received the client's KV source. Now the guard is skipped only for what our server reads as P/D."""
+    gw.pick("decode-a")
+    body = {"model": "emulated", "input": "hi",
+            field: {"remote_host": "10.0.0.9", "remote_port": 5600, "do_remote_prefill": True}
+            if field == "kv_transfer_params" else "10.0.0.9"}
+    error = assert_error(post(gw, RESPONSES, body), 400, "reserved_request_field")
+    assert error["param"] == field
+    assert_nothing_reached_an_engine(gw)
+
+
+def test_a_tagged_request_that_is_not_pd_reaches_decode_once_its_body_is_read(gw: GatewayStack) -> None:
+    """Without a steering member it goes on to the picked decode, unchanged but for the picker's headers;
+    our server read its body (one stream, counted as a passthrough) and ran no prefill."""
+    gw.pick("decode-b")
+    body = {"model": "emulated", "input": "hi"}
+    streams = gw.pd_streams()
+    passthroughs = gw.metric("pd_extproc_gateway_passthroughs_total")
+    post(gw, RESPONSES, body)
+    decoded = only(gw.decode("decode-b").requests())
+    assert decoded["json"] == body and "x-prefiller-host-port" not in dict(decoded["headers"])
+    assert gw.prefill.requests() == []
+    assert gw.pd_streams() == streams + 1
+    assert gw.metric("pd_extproc_gateway_passthroughs_total") == passthroughs + 1
+
+
 def test_a_clients_own_routing_headers_never_reach_the_picker_or_us(gw: GatewayStack) -> None:
     """The connection manager drops the client's x-prefiller-host-port and decode destination before
     any filter (early header mutation): with a decode-only pick the request passes through to the

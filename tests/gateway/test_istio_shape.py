@@ -24,8 +24,10 @@ from tests.deploy.test_gateway_mode import ISTIO, ISTIO_PICKER_FILTER, ISTIO_ROU
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
 from tests.gateway.cases import (
     STEERING_FIELDS,
+    UNREADABLE_BODIES,
     assert_picker_down_is_gateway_error,
     assert_steering_refused_before_the_picker,
+    assert_unreadable_body_refused_before_the_picker,
 )
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import assert_error, assert_nothing_reached_an_engine, post, served
@@ -88,6 +90,11 @@ def test_a_decode_only_request_that_steers_the_engine_is_refused_before_any_engi
     """The gap the Istio variant had: pd-extproc answers a decode-only request at its headers and never sees
     its body. The guard, inserted before Istio's picker, refuses it on the client's own body."""
     assert_steering_refused_before_the_picker(istio, field)
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE_BODIES))
+def test_a_body_the_engine_would_read_otherwise_is_refused_before_any_engine(istio: GatewayStack, case: str) -> None:
+    assert_unreadable_body_refused_before_the_picker(istio, case)
 
 
 def test_a_pd_request_whose_client_body_steers_the_engine_gets_the_same_refusal(istio: GatewayStack) -> None:

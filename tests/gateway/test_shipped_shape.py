@@ -27,7 +27,12 @@ from tests.deploy.test_gateway_mode import (
     rendered,
 )
 from tests.gateway.bootstrap import PD_STAT, PICKER_STAT
-from tests.gateway.cases import STEERING_FIELDS, assert_steering_refused_before_the_picker
+from tests.gateway.cases import (
+    STEERING_FIELDS,
+    UNREADABLE_BODIES,
+    assert_steering_refused_before_the_picker,
+    assert_unreadable_body_refused_before_the_picker,
+)
 from tests.gateway.stack import DECODES, GatewayStack, gateway_stack
 from tests.gateway.test_gateway_contract import JSON, assert_error, assert_nothing_reached_an_engine, post, served
 from tests.helpers import CHAT, COMPLETIONS, chat_body, only
@@ -97,6 +102,11 @@ def test_a_decode_only_request_that_steers_the_engine_is_refused_before_any_engi
     passes the guard's reply through the picker's filter, whose response headers are SEND: a picker
     stream for the reply only, no request seen.)"""
     assert_steering_refused_before_the_picker(shipped, field)
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE_BODIES))
+def test_a_body_the_engine_would_read_otherwise_is_refused_before_any_engine(shipped: GatewayStack, case: str) -> None:
+    assert_unreadable_body_refused_before_the_picker(shipped, case)
 
 
 def test_a_pd_request_whose_client_body_steers_the_engine_gets_the_same_refusal(shipped: GatewayStack) -> None:

@@ -116,7 +116,8 @@ def test_the_emulators_say_they_need_the_lab_extra(installed: Path) -> None:
 
 def test_the_installed_server_runs(installed: Path, tmp_path: Path) -> None:
     env = {**clean_environment(), "HOME": str(tmp_path),
-           "PD_EXTPROC_GRPC_LISTEN": f"unix:{tmp_path}/extproc.sock", "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0"}
+           "PD_EXTPROC_GRPC_LISTEN": f"unix:{tmp_path}/extproc.sock", "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0",
+           "PD_EXTPROC_PREFILL_ALLOW": "127.0.0.0/8:*"}
     process = subprocess.Popen([str(installed / "pd-extproc"), "serve"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     assert process.stdout is not None

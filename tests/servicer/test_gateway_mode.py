@@ -21,19 +21,12 @@ def passthroughs(h: Harness) -> float:
     return h.server.metrics.passthroughs._value.get()  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("method,path,with_header", [
-    ("POST", CHAT, False),                   # a decode-only pick: the picker set no prefill header
-    ("POST", "/v1/embeddings", True),        # not a P/D path
-    ("GET", CHAT, True),                     # not a POST
-    ("POST", "/v1/chat/completionsX", True),  # the path must match whole
-], ids=["no-header", "other-path", "get", "path-suffix"])
-def test_a_request_that_is_not_pd_gets_one_reply_that_turns_the_stream_off(
-        method: str, path: str, with_header: bool) -> None:
+def test_an_untagged_request_gets_one_reply_that_turns_the_stream_off() -> None:
+    """Where a gateway runs our filter without its matcher: a request the picker did not tag (the client
+    guard in front reads its body) is let through after its headers."""
     async def test(h: Harness) -> None:
-        extra = {":method": method, "x-encoder-hosts-ports": "10.0.0.2:8000"}
-        if with_header:
-            extra["x-prefiller-host-port"] = h.prefill_address
-        responses = await h.exchange(headers_message(path, extra), body_message({"messages": []}))
+        extra = {":method": "POST", "x-encoder-hosts-ports": "10.0.0.2:8000"}
+        responses = await h.exchange(headers_message(CHAT, extra), body_message({"messages": []}))
         assert len(responses) == 1, "the server ends the stream after the headers reply"
         reply = responses[0]
         assert reply.WhichOneof("response") == "request_headers"
@@ -45,6 +38,50 @@ def test_a_request_that_is_not_pd_gets_one_reply_that_turns_the_stream_off(
         assert set(mutation.remove_headers) == PICKER_HEADERS
         assert not reply.request_headers.response.clear_route_cache, "never re-route: the picker chose"
         assert passthroughs(h) == 1
+        assert h.prefill.control.records == []
+
+    run(test, **GATEWAY)
+
+
+_NOT_PD = pytest.mark.parametrize("method,path", [
+    ("POST", "/v1/responses"),           # not a P/D path
+    ("POST", "/v1/embeddings"),
+    ("GET", CHAT),                       # not a POST
+    ("POST", "/v1/chat/completionsX"),   # the path must match whole
+], ids=["responses", "embeddings", "get", "path-suffix"])
+
+
+@_NOT_PD
+def test_a_tagged_request_that_is_not_pd_is_let_through_only_after_its_body_is_read(method: str, path: str) -> None:
+    """The picker tagged it, so the client guard in front was skipped only if it is P/D: our server reads
+    its body before it goes on, without the picker's headers and without a prefill."""
+    async def test(h: Harness) -> None:
+        extra = {":method": method, "x-prefiller-host-port": h.prefill_address}
+        responses = await h.exchange(headers_message(path, extra), body_message({"model": "m", "input": "hi"}))
+        assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+        assert not responses[0].HasField("mode_override"), "the body is wanted"
+        common = responses[1].request_body.response
+        assert set(common.header_mutation.remove_headers) == PICKER_HEADERS
+        assert not common.HasField("body_mutation") and not common.clear_route_cache
+        assert passthroughs(h) == 1
+        assert h.prefill.control.records == []
+
+    run(test, **GATEWAY)
+
+
+@_NOT_PD
+@pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "vllm_xargs.kv_transfer_params"])
+def test_a_tagged_request_that_is_not_pd_with_a_steering_member_is_refused(method: str, path: str, field: str) -> None:
+    """Even where no guard runs in front (a gateway shape without it), a tagged request never reaches
+    decode unseen with a member that steers the engine: the P/D route's documented 400."""
+    async def test(h: Harness) -> None:
+        head, _, tail = field.partition(".")
+        value: object = {"remote_host": "10.0.0.9", "remote_port": 5600}
+        body = {"model": "m", "input": "hi", head: {tail: value} if tail else value}
+        extra = {":method": method, "x-prefiller-host-port": h.prefill_address}
+        responses = await h.exchange(headers_message(path, extra), body_message(body))
+        assert len(responses) == 2 and error_of(responses[1]) == (400, "reserved_request_field")
+        assert passthroughs(h) == 0
         assert h.prefill.control.records == []
 
     run(test, **GATEWAY)
@@ -100,3 +137,19 @@ def test_the_aggregated_fallback_sends_the_clients_request_to_the_picked_decode(
         assert not {m.header.key for m in common.header_mutation.set_headers} & {"x-gateway-destination-endpoint"}
 
     run(test, **GATEWAY, PD_EXTPROC_PREFILL_FALLBACK="aggregated")
+
+
+@pytest.mark.parametrize("raw", [
+    rb'{"model": "m", "kv_transfer_param\u0073": {"remote_host": "10.0.0.9"}}',
+    rb'{"model": "m", "\u0062ootstrap_host": "10.0.0.9"}',
+    rb'{"model": "m", "parameters": {"bootstrap_room": 7}, "kv_transfer_params": null, "bootstrap_room": 1}',
+], ids=["escaped-last-letter", "escaped-first-letter", "plain"])
+def test_a_steering_member_spelled_with_escapes_is_refused_too(raw: bytes) -> None:
+    """The server parses a tagged body only when a steering name can appear in it: literally, or through
+    a \\u escape (as CPython's json decodes it for the engine)."""
+    async def test(h: Harness) -> None:
+        extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
+        responses = await h.exchange(headers_message("/v1/responses", extra), body_message(raw))
+        assert error_of(responses[1]) == (400, "reserved_request_field")
+
+    run(test, **GATEWAY)

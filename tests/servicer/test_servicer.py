@@ -176,12 +176,12 @@ def test_cancelled_stream_cancels_the_prefill_call_and_releases_its_slot() -> No
     run(test)
 
 
-def test_unexpected_phases_are_answered() -> None:
+def test_a_message_before_the_headers_is_refused() -> None:
     async def test(h: Harness) -> None:
         trailers = pb.ProcessingRequest()
         trailers.request_trailers.SetInParent()
         responses = await h.exchange(trailers)
-        assert responses[0].WhichOneof("response") == "request_trailers"
+        assert error_of(responses[0]) == (500, "internal_error") and len(responses) == 1
 
     run(test)
 

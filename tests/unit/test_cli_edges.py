@@ -9,7 +9,7 @@ import pytest
 
 from extproc import cli
 from extproc._version import __version__
-from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, load_settings, specs
+from extproc.config import ENVOY_ONLY_SETTINGS, ConfigError, load_settings, open_prefill_policy, specs
 from extproc.observability.metrics import Metrics
 
 
@@ -80,3 +80,32 @@ def test_a_variable_in_the_wrong_case_is_refused_like_a_misspelling(name: str) -
 def test_a_lower_case_typo_stops_serve(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve"], {"PD_EXTPROC_prefill_allow": "x"}) == cli.EXIT_CONFIG
     assert "PD_EXTPROC_prefill_allow: unknown setting" in capsys.readouterr().err
+
+
+_OPEN = "neither PD_EXTPROC_PREFILL_ALLOW nor PD_EXTPROC_TRUSTED_SOURCES"
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_an_open_prefill_policy_stops_serve_and_up_before_anything_starts(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Neither an allow-list nor trusted sources: any client could aim the server anywhere. Nothing starts
+    (no port is bound, no child runs): the settings error names both settings."""
+    assert cli.main([command], {"PD_EXTPROC_ENVOY_BIN": "/nonexistent/envoy"}) == cli.EXIT_CONFIG
+    assert _OPEN in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env,refused", [
+    ({}, _OPEN),
+    ({"PD_EXTPROC_PREFILL_ALLOW": "10.0.0.0/8:8000"}, ""),
+    ({"PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8"}, ""),
+    ({"PD_EXTPROC_DEMO": "true"}, ""),
+    ({"PD_EXTPROC_ADAPTER": "none"}, ""),  # never connects to a prefill worker
+    ({"PD_EXTPROC_MODE": "gateway"}, "gateway mode without PD_EXTPROC_PREFILL_ALLOW"),
+    ({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8"},
+     "gateway mode without PD_EXTPROC_PREFILL_ALLOW"),  # trusted sources are our bootstrap's, unused there
+    ({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_PREFILL_ALLOW": "10.0.0.0/8:8000"}, ""),
+], ids=["nothing", "allow-list", "trusted-sources", "demo", "adapter-none", "gateway", "gateway-trusted",
+        "gateway-allow-list"])
+def test_open_prefill_policy(env: dict[str, str], refused: str) -> None:
+    refusal = open_prefill_policy(load_settings(env))
+    assert (refused in refusal and refusal != "") if refused else refusal == ""

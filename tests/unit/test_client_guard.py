@@ -92,6 +92,24 @@ def test_the_lua_guard_names_every_steering_member() -> None:
         assert f'["{field.name}"] = true' in source
 
 
+def _guard_source(hcm: dict[str, Any]) -> str:
+    guard = next(f for f in hcm["http_filters"] if f["name"] == LUA_FILTER)
+    source: str = guard["typed_config"]["default_source_code"]["inline_string"]
+    return source
+
+
+@pytest.mark.parametrize("env,compressed,forms", [
+    ({}, "false", "false"),
+    ({"PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": "true"}, "true", "false"),
+    ({"PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": "true"}, "false", "true"),
+])
+def test_each_loosening_reaches_the_rendered_guard_alone(env: dict[str, str], compressed: str, forms: str) -> None:
+    source = _guard_source(_hcm(render(load_settings(env, {}))))
+    assert f"local ALLOW_COMPRESSED = {compressed}\n" in source
+    assert f"local ALLOW_FORM_JSON = {forms}\n" in source
+    assert source == lua_source(allow_compressed=compressed == "true", allow_form_json=forms == "true")
+
+
 def test_unsupported_variants_cannot_be_served_whole_by_sglang() -> None:
     with pytest.raises(ConfigError, match="unsupported_variants"):
         load_settings({"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_UNSUPPORTED_VARIANTS": "aggregated"}, {})

@@ -52,9 +52,12 @@ def test_envoy_config_in_gateway_mode_renders_only_parts(capsys: pytest.CaptureF
     assert main(["envoy-config", "--parts", "--route-name", "httproute/llm/r/rule/0/match/0/*"],
                 {"PD_EXTPROC_MODE": "gateway"}) == 0
     parts = yaml.safe_load(capsys.readouterr().out)
-    guard, ext_proc = parts["http_filters"]
-    assert guard["name"] == "envoy.filters.http.lua", "the client guard first, for requests we never see"
-    assert "not_matcher" not in guard["typed_config"]["xds_matcher"]["matcher_list"]["matchers"][0]["predicate"]
+    body_limit, guard, ext_proc = parts["http_filters"]
+    assert body_limit["typed_config"]["max_request_bytes"] == 32 << 20
+    assert guard["name"] == "envoy.filters.http.lua", "the client guard first, for requests we do not read as P/D"
+    skipped_for = guard["typed_config"]["xds_matcher"]["matcher_list"]["matchers"][0]["predicate"]
+    assert [p["single_predicate"]["input"]["name"] for p in skipped_for["and_matcher"]["predicate"]] == [
+        ":method", ":path", "x-prefiller-host-port"], "skipped only for what our server reads as P/D"
     wrapper = ext_proc["typed_config"]
     skip = wrapper["xds_matcher"]["matcher_list"]["matchers"]
     assert len(skip) == 1 and skip[0]["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
@@ -83,9 +86,9 @@ def _ext_proc_config(filter_: dict[str, Any]) -> dict[str, Any]:
 def test_our_filter_fails_with_its_own_mark_in_gateway_mode_and_503_in_the_sidecar() -> None:
     """Gateway mode runs two ext_procs; the mark is a status nothing else answers on the route: none of our
     codes, none of the statuses Envoy or the picker answer locally there. The sidecar keeps 503."""
-    assert _ext_proc_config(gateway_parts(GATEWAY, "r")["http_filters"][1])["status_on_error"] == {
+    assert _ext_proc_config(gateway_parts(GATEWAY, "r")["http_filters"][-1])["status_on_error"] == {
         "code": GATEWAY_STATUS_ON_ERROR}
-    assert _ext_proc_config(sidecar_parts(SIDECAR)["http_filters"][0])["status_on_error"] == {"code": 503}
+    assert _ext_proc_config(sidecar_parts(SIDECAR)["http_filters"][-1])["status_on_error"] == {"code": 503}
     assert GATEWAY_STATUS_ON_ERROR not in {spec.status for spec in SPEC.values()}
     assert GATEWAY_STATUS_ON_ERROR not in {400, 404, 408, 413, 429, 431, 500, 502, 503, 504}
 

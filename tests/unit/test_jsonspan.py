@@ -6,6 +6,7 @@ import json
 import re
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,7 +111,9 @@ def test_fast_path_and_scanner_agree_on_tricky_documents(monkeypatch: Any) -> No
         fast, scanned = _fast_and_scanned(raw, monkeypatch)
         assert fast == scanned, raw
     assert [m[0] for m in _spans(TRICKY[3])] == ['k"ey', "key", "\\"]
-    assert jsonspan.unique_members(TRICKY[4]) is None and jsonspan.unique_members(TRICKY[5]) is None
+    for repeated in TRICKY[4:6]:
+        with pytest.raises(jsonspan.RepeatedKey):
+            jsonspan.unique_members(repeated)
 
 
 # Text heavy in what the fast path must get right: quotes, backslashes, brackets, separators, non-ASCII.
@@ -139,4 +142,9 @@ def test_fast_path_and_scanner_agree(obj: dict[str, Any], indent: int | None, as
     finally:
         jsonspan._MEMBER = saved
     assert fast == scanned
-    assert (jsonspan.unique_members(raw) is None) == (duplicate and bool(obj))
+    try:
+        jsonspan.unique_members(raw)
+        repeated = False
+    except jsonspan.RepeatedKey:
+        repeated = True
+    assert repeated == (duplicate and bool(obj))

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from extproc.core.prefill_policy import PrefillPolicy, describe, first_allowed, parse_allow_list
+from extproc.core.prefill_policy import METADATA, PrefillPolicy, describe, first_allowed, parse_allow_list
 
 ip = ipaddress.ip_address
 
@@ -39,7 +39,49 @@ def test_unspecified_multicast_broadcast_are_refused_even_when_listed() -> None:
     policy = PrefillPolicy(parse_allow_list("0.0.0.0/0:*,[::]/0:*"))
     for address in ("0.0.0.0", "224.0.0.1", "255.255.255.255", "ff02::1", "::"):
         assert not policy.allows_address(ip(address), 80), address
-    assert policy.allows_address(ip("169.254.169.254"), 80), "an explicit list is the operator's choice"
+    assert policy.allows_address(ip("169.254.1.1"), 80), "an explicit list is the operator's choice"
+
+
+def _teredo(server: str, client: str) -> str:
+    """A Teredo address (RFC 4380): prefix, server, flags, obfuscated port, obfuscated client."""
+    value = (0x20010000 << 96) | (int(ip(server)) << 64) | (0x8000 << 48) | (0xFFFF << 32) \
+        | (~int(ip(client)) & 0xFFFFFFFF)
+    return str(ipaddress.IPv6Address(value))
+
+
+# The forms of an internal IPv4 address a translator or relay would carry us to (finding: NAT64, 6to4
+# and the cloud metadata addresses were allowed by the default policy).
+_CARRIED_FORBIDDEN = [
+    "64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1", "64:ff9b::6464:64c8",  # NAT64 well-known /96
+    "64:ff9b:1::a9fe:a9fe", "64:ff9b:1:a9fe:a9:fe00::", "64:ff9b:1:a9:fe:a9fe::", "64:ff9b:1:0:a9:fea9:fe00:0",
+    "2002:a9fe:a9fe::1", "2002:7f00:1::", "2002:6464:64c8::",  # 6to4
+    _teredo("65.54.227.120", "169.254.169.254"), _teredo("127.0.0.1", "8.8.8.8"),  # Teredo client, server
+    "::a9fe:a9fe", "::ffff:100.100.100.200",  # IPv4-compatible, IPv4-mapped
+]
+_METADATA_AND_THIS_HOST = ["fd00:ec2::254", "fd00:ec2::253", "fd00:ec2::123", "100.100.100.200", "168.63.129.16",
+                           "169.254.170.2", "0.0.0.1", "0.1.2.3", "0.255.255.255", "::ffff:0.0.0.5"]
+
+
+@pytest.mark.parametrize("address", _CARRIED_FORBIDDEN + _METADATA_AND_THIS_HOST)
+def test_default_policy_refuses_internal_addresses_in_every_form(address: str) -> None:
+    assert not PrefillPolicy(()).allows_address(ip(address), 80)
+
+
+@pytest.mark.parametrize("address", ["64:ff9b::a00:1", "64:ff9b:1::a00:1", "2002:a00:1::",
+                                     _teredo("65.54.227.120", "192.0.2.45"), "100.100.100.201", "fd00:ec2::1"])
+def test_default_policy_allows_the_same_forms_of_ordinary_addresses(address: str) -> None:
+    assert PrefillPolicy(()).allows_address(ip(address), 80)
+
+
+@pytest.mark.parametrize("address", [*_METADATA_AND_THIS_HOST, "64:ff9b::a9fe:a9fe", "2002:6464:64c8::"])
+def test_metadata_and_this_network_are_refused_even_when_listed(address: str) -> None:
+    policy = PrefillPolicy(parse_allow_list("0.0.0.0/0:*,[::]/0:*"))
+    assert not policy.allows_address(ip(address), 80)
+
+
+def test_metadata_table_names_a_source_for_each_address() -> None:
+    assert all(source for _, source in METADATA)
+    assert {str(address) for address, _ in METADATA} >= {"169.254.169.254", "fd00:ec2::254", "100.100.100.200"}
 
 
 def test_name_rules_match_names_and_their_ports_but_never_link_local() -> None:

@@ -104,10 +104,11 @@ class Rig:
                 if sample.name.endswith("_total")}
 
 
-def rig(adapter: Adapter, limit: int = 4, fallback: bool = False) -> Rig:
+def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None) -> Rig:
     transport, admission, metrics, background = FakeTransport(), Admission(limit), Metrics(), BackgroundPrefills()
     processor = PdProcessor(adapter, transport, max_request_bytes=1 << 20, admission=admission, metrics=metrics,
-                            background=background, decode=DECODE, fallback=fallback, nonce=lambda: 0x1234)
+                            background=background, decode=DECODE, fallback=fallback, tracing=tracing,
+                            nonce=lambda: 0x1234)
     return Rig(processor, transport, admission, metrics, background)
 
 
