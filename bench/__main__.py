@@ -21,7 +21,7 @@ BENCH_DIR = REPO / "bench"
 QUICK = {"rounds": 1, "seconds": 1, "warmup_seconds": 1, "large_body_rounds": 1, "large_body_requests": 1,
          "inflight_requests": 200, "inflight_delay": 2.0, "profile_seconds": 3, "quiet_max_wait": 5.0,
          "stage_requests": 300, "stage_repeats": 1,
-         "beside_seconds": 4}
+         "beside_seconds": 4, "loop_stall_mib": 2}
 
 
 def _parser() -> argparse.ArgumentParser:

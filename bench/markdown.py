@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import soak_markdown
+from bench import loop_stall, soak_markdown
 from bench.report import KIB, MIB
 
 NOISY = 0.10
@@ -338,6 +338,16 @@ def beside_large(results: dict[str, Any]) -> list[str]:
                      "20 MiB status"], rows), ""]
 
 
+def loop_stall_section(results: dict[str, Any]) -> list[str]:
+    result = results.get("loop_stall")
+    if not result:
+        return []
+    return [f"## One worst-shape {result['size_mib']} MiB body beside small P/D requests (bench/loop_stall.py)", "",
+            "Tiny content parts (`{\"type\":\"text\",\"text\":\"x\"}`), the shape that costs the most to parse "
+            "per byte; where the body's inspection runs decides what everything else on the server waits.", "",
+            *loop_stall.render(result), ""]
+
+
 def inflight(results: dict[str, Any]) -> list[str]:
     rows = []
     for case in results["inflight"]:
@@ -461,7 +471,8 @@ def soak(report: Path = SOAK_REPORT) -> list[str]:
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
     lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
-             *large_body(summary), *beside_large(results), *inflight(results), *checks(results, summary),
+             *large_body(summary), *beside_large(results), *loop_stall_section(results),
+             *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
              *stage_budget(results), *soak()]
     return "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import envoylog, inflight, machine, procs, profiling, sequential, serverlog, stages, verify, wrk
+from bench import envoylog, inflight, loop_stall, machine, procs, profiling, sequential, serverlog, stages, verify, wrk
 from bench.envoy_plain import CEILING_PATH
 from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
@@ -68,6 +68,7 @@ class Options:
     inflight_requests: int = 1000
     inflight_delay: float = 5.0
     profile_seconds: int = 8
+    loop_stall_mib: int = 32  # the worst-shape body beside small requests (bench/loop_stall.py)
     beside_seconds: int = 8
     profile_concurrency: int = 16
     stage_requests: int = 2000
@@ -89,6 +90,7 @@ class Run:
     points: list[dict[str, Any]] = field(default_factory=list)
     profile: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)  # bench/stages.py's StageResult
+    loop_stall: dict[str, Any] = field(default_factory=dict)  # bench/loop_stall.py's run_all
     envoy_outcomes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     quiet_wait: dict[str, float] = field(default_factory=dict)
     idle_rss: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -274,6 +276,13 @@ class Bench:
         self.log(f"stages: {result.total_cpu_us:.0f} µs CPU per P/D request in-process, prefill leg "
                  f"{result.cpu_us['prefill leg']:.0f}")
 
+    def loop_stall(self, run: Run) -> None:
+        """One worst-shape body (tiny content parts) beside small P/D requests, in this process."""
+        run.loop_stall = loop_stall.run_all(self.options.loop_stall_mib)
+        pool = run.loop_stall["variants"][-1]
+        self.log(f"loop stall: small p99 {pool['before_p99']:.0f} -> {pool['during_p99']:.0f} ms beside a "
+                 f"{self.options.loop_stall_mib} MiB worst-shape body")
+
     def profile_server(self, run: Run) -> None:
         system = self.fleet.sets[HEADLINE].systems["pd-extproc"]
         if not self.options.py_spy:
@@ -363,6 +372,7 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
         if HEADLINE in fleet.sets:
             bench.profile_server(run)  # before any 20 MiB request: see large_body_beside_small
             bench.stage_budget(run)
+            bench.loop_stall(run)
         if slow:
             bench.large_body_rounds(run)
             bench.large_body_beside_small(run)

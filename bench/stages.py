@@ -43,6 +43,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from bench.workload import CHAT_PATH, chat_body
 from extproc.app import ExtProcServer
 from extproc.config import load_settings
+from extproc.core import inspector as body_inspector
 from extproc.core import processor
 from extproc.core.admission import Admission
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
@@ -142,8 +143,9 @@ def _stage_targets(server: Any) -> list[tuple[object, str, str]]:
     targets: list[tuple[object, str, str]] = [
         (envoy_messages, "head_from_headers", "header step"),
         (processor.PdProcessor, "on_headers", "header step"),
-        (processor, "parse_client_request", "body parse"),
+        (processor, "parse_client_request", "body parse"),  # before the inspector
         (processor, "refuse_reserved", "body parse"),
+        (body_inspector, "inspect", "body parse"),  # a small body's inspection, on the loop
         (Admission, "check", "admission"),
         (Admission, "enter", "admission"),
         (Admission, "leave", "admission"),

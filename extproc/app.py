@@ -6,10 +6,8 @@ metrics/health HTTP endpoint, drain and signals. The stream loop itself is extpr
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
-import socket
 import ssl
 from collections.abc import Callable
 from functools import partial
@@ -25,6 +23,7 @@ from extproc.adapters import build_adapter, engines
 from extproc.config import ConfigError, Settings
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefills
+from extproc.core.inspector import Inspector, pool_size
 from extproc.core.prefill_policy import PrefillPolicy
 from extproc.core.processor import PdProcessor
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
@@ -34,7 +33,7 @@ from extproc.settings_spec import SecretFileError
 from extproc.units import Address
 from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
 from extproc.upstream.decode_queue import DecodeQueueWatch, QueueLimit
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress
+from extproc.upstream.decode_target import DecodeTarget, Unresolvable
 from extproc.workers import SharedAdmission, SharedBlock, SharedQueueReading, WorkerRole
 
 if TYPE_CHECKING:
@@ -55,26 +54,11 @@ def _prefill_tls(settings: Settings) -> WorkerTls | None:
     return WorkerTls(context, settings.prefill_server_name)
 
 
-def _decode_target(decode: Address) -> ResolvedTarget:
-    """The local decode worker as a transport target (for a concurrent engine's abort request). Its
-    address is configured, never taken from a request, so the prefill policy does not apply; a name is
-    resolved once, here."""
-    try:
-        ip = ipaddress.ip_address(decode.host)
-    except ValueError:
-        try:
-            infos = socket.getaddrinfo(decode.host, decode.port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise ConfigError(f"the decode worker's name {decode.host} does not resolve: {exc}") from None
-        ip = ipaddress.ip_address(str(infos[0][4][0]).split("%", 1)[0])
-    return ResolvedTarget(WorkerAddress(decode.host, decode.port, ip), ip, tls=False)
-
-
 # A decode worker's metrics page: vLLM's with several ranks and many histograms runs to a few MiB.
 DECODE_METRICS_MAX_BYTES = 16 << 20
 
 
-def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: ResolvedTarget, metrics: Metrics,
+def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: DecodeTarget, metrics: Metrics,
                   block: SharedBlock | None = None, index: int = 0) -> DecodeQueueWatch | QueueLimit | None:
     """The decode-queue watch; with several workers only worker 0 runs it (one scrape of the decode
     worker, not N) and publishes each reading in the shared block, where the others read it."""
@@ -151,7 +135,7 @@ class ExtProcServer:
             adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
-        decode = _decode_target(settings.decode)
+        decode = self.decode = DecodeTarget(settings.decode)
         self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.block,
                                           0 if role is None else role.index)
         self.processor = PdProcessor(
@@ -159,10 +143,14 @@ class ExtProcServer:
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
             fallback=settings.prefill_fallback == "aggregated",
             serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
+            inspector=Inspector(PdProcessor.inspection_rules(adapter, settings.max_request_bytes),
+                                workers=pool_size(settings.max_inflight, 1 if role is None else role.workers),
+                                max_waiting=settings.max_inflight),
         )
         self.metrics.admitted.set_function(lambda: self.admission.inflight)
         self.metrics.background_prefills.set_function(lambda: len(self.background))
         self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
+        self.metrics.inspections_waiting.set_function(lambda: self.processor.inspector.waiting)
         self.metrics.prefill_idle_connections.set_function(self.prefill.idle_connections)
         self.health = HealthServicer()
         self.http = HttpServer(self._http)
@@ -203,6 +191,11 @@ class ExtProcServer:
         return Response(404, b'{"status":"not found"}')
 
     async def start(self) -> None:
+        try:
+            await self.decode.start()  # a name: resolved off the loop, then again every RESOLVE_TTL seconds
+        except Unresolvable as exc:
+            raise ConfigError(str(exc)) from None
+        self.processor.inspector.start()
         listen = self.settings.metrics_listen
         try:
             if self.role is not None:
@@ -240,6 +233,8 @@ class ExtProcServer:
         if isinstance(self.decode_queue, DecodeQueueWatch):
             await self.decode_queue.stop()
         await self.prefill.aclose()
+        await self.decode.stop()
+        self.processor.inspector.close()
         await self.http.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans still queued

@@ -27,7 +27,9 @@ class ClientRequest:
     endpoint: Endpoint
     path: str  # the original :path, query string included
     raw: bytes  # the client's body, exactly as received
-    body: dict[str, Any]  # the parsed body (read-only by convention)
+    # The parsed body (read-only by convention). On the P/D route (core/inspection.py) only the members
+    # whose values are small are kept: large ones were checked and are read from ``raw`` only.
+    body: dict[str, Any]
     members: tuple[jsonspan.Member, ...]
     # The field that selects a variant P/D cannot serve as sent (n other than 1, a batch of prompts):
     # refused, or with PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated served whole by the decode worker.
@@ -41,6 +43,9 @@ class ClientRequest:
 # Fields whose types we rely on. Names here are the only request names an error can carry.
 _OPTIONAL_BOOL = ("stream",)
 _OPTIONAL_POSITIVE_INT = ("max_tokens", "max_completion_tokens")
+# Top-level members a body may have: the OpenAI request has a few dozen, the engines' extensions as many
+# again. The bound keeps what a worker process answers about a body (core/inspection.py) small.
+MAX_MEMBERS = 256
 
 
 def endpoint_of(path: str) -> Endpoint:
@@ -58,15 +63,21 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int,
-                         allow_unsupported: bool = False) -> ClientRequest:
-    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse.
-    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused."""
-    endpoint = endpoint_of(path)
+def precheck(path: str, content_type: str | None, raw: bytes, max_bytes: int) -> None:
+    """The checks of ``parse_client_request`` that do not read the body, in its order (cheap at any size)."""
+    endpoint_of(path)
     if len(raw) > max_bytes:
         raise PdError(Code.REQUEST_TOO_LARGE)
     if not is_json_content_type(content_type):
         raise PdError(Code.UNSUPPORTED_MEDIA_TYPE)
+
+
+def parse_client_request(path: str, content_type: str | None, raw: bytes, max_bytes: int,
+                         allow_unsupported: bool = False) -> ClientRequest:
+    """Validate the request the client sent on the P/D route; raise PdError for anything we refuse.
+    With ``allow_unsupported`` an unsupported variant is returned (``unsupported`` names it), not refused."""
+    precheck(path, content_type, raw, max_bytes)
+    endpoint = endpoint_of(path)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -77,6 +88,8 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
         members = jsonspan.unique_members(raw)
     except jsonspan.RepeatedKey:  # we refuse rather than guess which duplicate the engine sees
         raise PdError(Code.INVALID_REQUEST_BODY) from None
+    if len(members) > MAX_MEMBERS:
+        raise PdError(Code.INVALID_REQUEST_BODY)
     request = ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
                             unsupported=_check_fields(endpoint, body))
     if not allow_unsupported:

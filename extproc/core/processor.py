@@ -37,16 +37,18 @@ from extproc.adapters.base import (
 )
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
-from extproc.core.fields import refuse_reserved
 from extproc.core.headers import prefill_headers
-from extproc.core.openai_request import ClientRequest, parse_client_request, refuse_unsupported
+from extproc.core.inspection import Rules
+from extproc.core.inspector import Inspector
+from extproc.core.openai_request import ClientRequest, refuse_unsupported
 from extproc.core.prefill_target import HEADER, parse_prefill_target
-from extproc.core.steering import STEERING_HEADER_NAMES, refuse_steering
+from extproc.core.steering import STEERING_HEADER_NAMES
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
 from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
 from extproc.upstream.decode_queue import QueueLimit
+from extproc.upstream.decode_target import DecodeTarget, resolved
 from extproc.upstream.discovery import ServerInfoCache
 from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 
@@ -104,16 +106,16 @@ class PdProcessor:
         admission: Admission,
         metrics: Metrics,
         background: BackgroundPrefills,
-        decode: ResolvedTarget,
+        decode: ResolvedTarget | DecodeTarget,
         decode_queue: QueueLimit | None = None,
         fallback: bool = False,
         serve_unsupported: bool = False,
         tracing: Tracing | None = None,
+        inspector: Inspector | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
         self._adapter = adapter
         self._transport = transport
-        self._max_request_bytes = max_request_bytes
         self._admission = admission
         self._metrics = metrics
         self._background = background
@@ -126,12 +128,18 @@ class PdProcessor:
         # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
         metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name
-        # What the adapter's route owns, once for the processor's life: the fields its own check refuses
-        # (the steering check skips them) and the headers no leg receives from a client.
-        self._own_fields = frozenset(field.name for field in adapter.reserved_fields)
+        # What the adapter's route owns, once for the processor's life: the headers no leg receives from a
+        # client (its fields are the inspection's rules).
         self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
         self._stripped_sorted = tuple(sorted(self._stripped_headers))
+        self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
+
+    @staticmethod
+    def inspection_rules(adapter: Adapter | Disabled, max_request_bytes: int) -> Rules:
+        """What the body's inspection refuses for this adapter (the steering check skips its own fields)."""
+        return Rules(max_request_bytes, tuple(adapter.reserved_fields),
+                     frozenset(field.name for field in adapter.reserved_fields))
 
     # --- the two ext_proc phases -------------------------------------------------------------------
 
@@ -168,10 +176,7 @@ class PdProcessor:
         try:
             if isinstance(adapter, Disabled):  # refused at the head already; a body never gets here
                 raise PdError(Code.PD_ADAPTER_UNAVAILABLE)
-            request = parse_client_request(head.path, head.first("content-type"), body, self._max_request_bytes,
-                                           allow_unsupported=True)
-            refuse_reserved(request.body, adapter.reserved_fields)
-            refuse_steering(request.body, self._own_fields)
+            request = await self.inspector.inspect(head.path, head.first("content-type"), body)
             if request.unsupported is not None:
                 if not (self._serve_unsupported and isinstance(adapter, SequentialAdapter)):
                     refuse_unsupported(request)
@@ -313,7 +318,7 @@ class PdProcessor:
         accepted = False
         for wait in (*ABORT_RETRY_WAITS, None):
             try:
-                reply = await self._transport.post(self._decode, plan.abort.path, headers, plan.abort.body)
+                reply = await self._transport.post(resolved(self._decode), plan.abort.path, headers, plan.abort.body)
             except PdError as error:
                 log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
             except Exception:  # a bug: the next try may still end decode

@@ -10,7 +10,8 @@ the header. Where a gateway runs the filter without the matcher, a request witho
 through after its headers message: the reply turns off the rest of the stream (``mode_override``: no
 body, no response headers), and Envoy closes the stream after it. A request with the header that is not
 P/D (another method or path: the picker may tag any request of the route) is never let through unseen:
-its body is checked for steering members (``inspect_tagged``), because the client guard is skipped for
+its body is checked for steering members (``steering_refusal``, in a worker process when the body is
+over 16 KiB: core/inspector.py), because the client guard is skipped for
 tagged requests only when they are P/D. A P/D request is one the sidecar's pd route would match
 (envoy/pd_request.py): POST to /v1/chat/completions or /v1/completions carrying x-prefiller-host-port.
 
@@ -29,6 +30,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.core.headers import PICKER_HEADERS
+from extproc.core.inspection import Refusal
 from extproc.core.steering import STEERING_FIELDS, refuse_steering
 from extproc.envoy import messages as msg
 from extproc.envoy.messages import RequestHead
@@ -65,11 +67,11 @@ def _may_steer(body: bytes) -> bool:
     return b"\\u" in body or any(name in body for name in _LAST_NAMES)
 
 
-def inspect_tagged(body: bytes) -> pb.ProcessingResponse:
+def steering_refusal(body: bytes) -> Refusal | None:
     """A tagged request that is not P/D (another method or path): its body, which the engine may read as
-    JSON whatever the path, is checked for steering members as on the P/D route. Refused with the same
-    400 reserved_request_field; otherwise continued unchanged but for the picker's headers. A body that
-    is not a JSON object carries no member to check here (the client guard in front judges other kinds)."""
+    JSON whatever the path, is checked for steering members as on the P/D route (the same 400
+    reserved_request_field). A body that is not a JSON object carries no member to check here (the
+    client guard in front judges other kinds). Picklable, for the inspection pool."""
     try:
         parsed = orjson.loads(body) if _may_steer(body) else None
     except orjson.JSONDecodeError:
@@ -78,7 +80,15 @@ def inspect_tagged(body: bytes) -> pb.ProcessingResponse:
         try:
             refuse_steering(parsed)
         except PdError as exc:
-            return msg.error_reply(exc.code, exc.status, exc.field)
+            return Refusal(exc.code, exc.field, exc.problem)
+    return None
+
+
+def tagged_reply(refusal: Refusal | None) -> pb.ProcessingResponse:
+    """The refusal, or the body continued unchanged but for the picker's headers."""
+    if refusal is not None:
+        error = refusal.error()
+        return msg.error_reply(error.code, error.status, error.field)
     response = pb.ProcessingResponse(request_body=pb.BodyResponse())
     response.request_body.response.header_mutation.remove_headers.extend(sorted(PICKER_HEADERS))
     return response

@@ -242,7 +242,7 @@ def gateway_guard_filter() -> dict[str, Any]:
     """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
     requests our server does not read as P/D: put right after the picker, it is skipped only for a request
     our server will read as P/D (envoy/pd_request.py), whose body our server checks. A tagged request of
-    another method or path is read by both (gateway.inspect_tagged)."""
+    another method or path is read by both (gateway.steering_refusal)."""
     guard = guard_filter()
     return {"name": guard["name"], "typed_config": _skipped_when(_PD_REQUEST, guard["name"], guard["typed_config"])}
 

@@ -20,7 +20,7 @@ from extproc.core.background import BackgroundPrefill
 from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy import messages as msg
-from extproc.errors import Code
+from extproc.errors import Code, PdError
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -35,7 +35,7 @@ class Phase(Enum):
 
     HEADERS = "headers"
     BODY = "body"  # the whole body, in one message (end_of_stream)
-    INSPECT = "inspect"  # gateway mode: the body of a tagged request that is not P/D (gateway.inspect_tagged)
+    INSPECT = "inspect"  # gateway mode: the body of a tagged request that is not P/D (gateway.steering_refusal)
     DECODE_ANSWER = "decode_answer"  # decode's response headers, if Envoy sends them
     DONE = "done"
 
@@ -89,7 +89,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if stream.phase is Phase.BODY:
             return await self._on_body(stream, request.request_body)
         if stream.phase is Phase.INSPECT:
-            return self._on_tagged_body(stream, request.request_body)
+            return await self._on_tagged_body(stream, request.request_body)
         stream.phase = Phase.DONE
         if stream.background is None:  # a sequential engine with response headers sent anyway
             return msg.continue_response_headers(), False
@@ -127,12 +127,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return gateway.without_picker_headers(outcome.response), False
         return outcome.response, False
 
-    def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+    async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
         if not body.end_of_stream:
             _log_out_of_order(Phase.INSPECT, "request_body chunk")
             return msg.error_reply(Code.INTERNAL_ERROR, 500), True
-        response = gateway.inspect_tagged(body.body)
+        try:  # a large body is parsed in a worker process, off the event loop
+            refusal = await self._processor.inspector.check(gateway.steering_refusal, body.body)
+        except PdError as error:  # too many large bodies waiting, or a worker died
+            extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
+            return msg.error_reply(error.code, error.status, error.param, extra), True
+        response = gateway.tagged_reply(refusal)
         if response.WhichOneof("response") == "immediate_response":
             log.info("refused a tagged request that is not P/D: its body carries a steering member")
             return response, True

@@ -1,12 +1,21 @@
-"""Structured logging: one JSON object per line on stderr."""
+"""Structured logging: one JSON object per line on stderr.
+
+Lines are made on the caller's thread and written by a QueueListener's thread: a slow or blocked stderr
+(a full pipe to a log collector) never holds the event loop. The queue is bounded; a line that finds it
+full is dropped and counted, and the count is written once the writer catches up.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import logging.handlers
+import queue
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -46,9 +55,55 @@ class _Second:
 
 _second = _Second()
 
+QUEUE_LINES = 1 << 16  # lines waiting for the writer before new ones are dropped
+
+
+class LineQueueHandler(logging.handlers.QueueHandler):
+    """Formats each record into its JSON line here (the record holds live objects) and queues the text."""
+
+    def __init__(self, lines: queue.Queue[str]) -> None:
+        super().__init__(lines)
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.put(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+    def put(self, line: str) -> None:
+        """Queue one line (without its newline); when the queue is full, drop and count it."""
+        try:
+            if self.dropped:
+                self.queue.put_nowait(orjson.dumps({"ts": _second.ts(time.time()), "level": "warning",
+                                                    "logger": "extproc.logs", "msg": "log lines dropped",
+                                                    "dropped": self.dropped}).decode())
+                self.dropped = 0
+            self.queue.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+
+class LineWriter(logging.handlers.QueueListener):
+    """Writes the queued lines to the stream, each followed by a newline and a flush."""
+
+    def __init__(self, lines: queue.Queue[str], stream: IO[str]) -> None:
+        super().__init__(lines, respect_handler_level=False)
+        self.lines = lines
+        self.stream = stream
+
+    def handle(self, record: Any) -> None:
+        # A failed write has nowhere left to be reported: dropped, as StreamHandler does with raiseExceptions off.
+        with contextlib.suppress(Exception):
+            self.stream.write(record + "\n")
+            self.stream.flush()
+
+
+_writer: LineWriter | None = None
+
 
 def info(logger: logging.Logger, msg: str, fields: Mapping[str, Any]) -> None:
-    """``logger.info(msg, extra=fields)``, for the one line per request: the same JSON line, written
+    """``logger.info(msg, extra=fields)``, for the one line per request: the same JSON line, queued
     without a LogRecord, a caller lookup or a formatter pass when logging is as ``configure`` left it
     (one JsonFormatter handler on the root logger, nothing else in the way). Any other set-up (a test's
     capture handler, a filter) gets the ordinary call."""
@@ -60,17 +115,11 @@ def info(logger: logging.Logger, msg: str, fields: Mapping[str, Any]) -> None:
         return
     entry: dict[str, Any] = {"ts": _second.ts(time.time()), "level": "info", "logger": logger.name, "msg": msg}
     entry.update(fields)
-    line = orjson.dumps(entry, default=str).decode() + handler.terminator
-    with handler.lock:  # type: ignore[union-attr]  # created by Handler.__init__
-        try:
-            handler.stream.write(line)
-            handler.flush()
-        except Exception:  # what StreamHandler.emit does with a failed write
-            handler.handleError(logging.makeLogRecord({"msg": msg, "name": logger.name}))
+    handler.put(orjson.dumps(entry, default=str).decode())
 
 
-def _direct_handler(logger: logging.Logger) -> logging.StreamHandler[Any] | None:
-    """The root's JSON stream handler when it is the only place ``logger``'s records go, unfiltered."""
+def _direct_handler(logger: logging.Logger) -> LineQueueHandler | None:
+    """The root's JSON line queue when it is the only place ``logger``'s records go, unfiltered."""
     root = logging.getLogger()
     current: logging.Logger | None = logger
     while current is not None and current is not root:
@@ -80,15 +129,38 @@ def _direct_handler(logger: logging.Logger) -> logging.StreamHandler[Any] | None
     if current is None or root.filters or len(root.handlers) != 1:
         return None
     handler = root.handlers[0]
-    if (type(handler) is not logging.StreamHandler or type(handler.formatter) is not JsonFormatter
+    if (type(handler) is not LineQueueHandler or type(handler.formatter) is not JsonFormatter
             or handler.filters or handler.level > logging.INFO):
         return None
     return handler
 
 
-def configure(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def configure(level: str, stream: IO[str] | None = None) -> None:
+    """JSON lines on ``stream`` (stderr), written by a thread of their own; a second call replaces the first."""
+    global _writer
+    stop()
+    lines: queue.Queue[str] = queue.Queue(QUEUE_LINES)
+    handler = LineQueueHandler(lines)
     handler.setFormatter(JsonFormatter())
+    _writer = LineWriter(lines, sys.stderr if stream is None else stream)
+    _writer.start()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def flush() -> None:
+    """Return once every line queued so far is written."""
+    if _writer is not None:
+        _writer.lines.join()
+
+
+def stop() -> None:
+    """Write what is queued and end the writer's thread (at exit, or before ``configure`` again)."""
+    global _writer
+    if _writer is not None:
+        _writer.stop()
+        _writer = None
+
+
+atexit.register(stop)

@@ -83,6 +83,9 @@ class Metrics:
             "pd_extproc_background_prefills", "Concurrent-flow prefill tasks still running.", registry=self.registry)
         self.loop_tasks = Gauge("pd_extproc_event_loop_tasks", "Tasks on the server's event loop.",
                                 registry=self.registry)
+        self.inspections_waiting = Gauge(
+            "pd_extproc_body_inspections_waiting",
+            "Request bodies over 16 KiB being checked in, or waiting for, a worker process.", registry=self.registry)
         self.prefill_idle_connections = Gauge(
             "pd_extproc_prefill_idle_connections", "Idle keep-alive connections in the prefill pool.",
             registry=self.registry)

@@ -21,7 +21,8 @@ from typing import Protocol
 
 from extproc.adapters.base import QueueGauges
 from extproc.errors import PdError
-from extproc.upstream.prom_text import sample_values
+from extproc.upstream.decode_target import DecodeTarget, resolved
+from extproc.upstream.prom_text import gauge_values
 from extproc.upstream.transport import ResolvedTarget, Transport
 
 log = logging.getLogger("extproc.decode_queue")
@@ -38,9 +39,9 @@ def over(waiting: float | None, limit: int) -> bool:
     return waiting is not None and waiting > limit
 
 
-def waiting_from(text: str, names: Sequence[str]) -> float | None:
+def waiting_from(page: bytes, names: Sequence[str]) -> float | None:
     """The sum of every sample of the named metrics (all label sets), None if none of them is there."""
-    values = list(sample_values(text, frozenset(names)))
+    values = list(gauge_values(page, names))
     return sum(values) if values else None
 
 
@@ -55,7 +56,7 @@ class DecodeQueueWatch:
     the limit and the gauge both see; ``on_failure`` counts each scrape that gave no reading; a
     failure is logged when readings stop, not every time."""
 
-    def __init__(self, transport: Transport, decode: ResolvedTarget, gauges: QueueGauges, limit: int,
+    def __init__(self, transport: Transport, decode: ResolvedTarget | DecodeTarget, gauges: QueueGauges, limit: int,
                  interval: float, on_failure: Callable[[str], None] = lambda _: None,
                  clock: Callable[[], float] = time.monotonic,
                  on_reading: Callable[[float, float], None] | None = None) -> None:
@@ -84,7 +85,7 @@ class DecodeQueueWatch:
         """One scrape, bounded by the interval (a slow page must not hold the last reading past it)."""
         try:
             async with asyncio.timeout(self._interval):
-                reply = await self._transport.get(self._decode, self._gauges.path, ())
+                reply = await self._transport.get(resolved(self._decode), self._gauges.path, ())
         except TimeoutError:
             self._failed("timeout")
             return
@@ -94,7 +95,7 @@ class DecodeQueueWatch:
         if reply.status != 200:
             self._failed(f"status_{reply.status}")
             return
-        waiting = waiting_from(reply.body.decode("utf-8", "replace"), self._gauges.names)
+        waiting = waiting_from(reply.body, self._gauges.names)
         if waiting is None:
             self._failed("no_gauge")
             return

@@ -7,7 +7,7 @@ without a timestamp. Label values are quoted and may hold spaces, braces and esc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Set
+from collections.abc import Iterable, Iterator, Set
 
 
 def _after_labels(line: str, start: int) -> int | None:
@@ -47,6 +47,24 @@ def sample_values(text: str, names: Set[str]) -> Iterator[float]:
             yield float(fields[0])
         except ValueError:
             continue
+
+
+def gauge_values(page: bytes, names: Iterable[str]) -> Iterator[float]:
+    """Each sample value of the named metrics, found without reading the page line by line: a sample
+    line starts the page or follows a newline (a label value cannot hold a raw one), so ``bytes.find``
+    of newline-and-name, at C speed, lands only on the lines of these names and of names they begin.
+    For the decode-queue watch, which reads a page of up to 16 MiB every second on the event loop."""
+    for name in names:
+        key = b"\n" + name.encode()
+        at = 0 if page.startswith(key[1:]) else page.find(key)
+        while at >= 0:
+            start = at + 1 if page[at:at + 1] == b"\n" else at
+            end = page.find(b"\n", start)
+            line = page[start:end if end >= 0 else len(page)].decode("utf-8", "replace").rstrip("\r")
+            sample = series_and_value(line)
+            if sample is not None and sample[1] == name:
+                yield sample[2]
+            at = page.find(key, start)
 
 
 def series_and_value(line: str) -> tuple[str, str, float] | None:

@@ -81,6 +81,7 @@ def test_one_structured_log_line_per_request_without_bodies_or_secrets(ops_stack
     request_id = "5a1e0000-0000-4000-8000-00000000beef"
     post(ops_stack, CHAT, chat_body(max_tokens=2, messages=[{"role": "user", "content": "top secret prompt"}]),
          **{"x-request-id": request_id, "authorization": "Bearer sk-do-not-log"})
+    assert eventually(lambda: request_id in ops_stack.server_log())  # written by the server's log thread
     lines = [json.loads(line) for line in ops_stack.server_log().splitlines()
              if line.startswith("{") and request_id in line]
     assert len(lines) == 1

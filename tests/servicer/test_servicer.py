@@ -72,6 +72,7 @@ async def with_harness(test: Callable[[Harness], Awaitable[None]], **env: str) -
         await server.grpc.stop(0)
         await server.prefill.aclose()
         await server.http.close()
+        server.processor.inspector.close()
         await prefill.close()
 
 

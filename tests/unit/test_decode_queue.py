@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 
+from bench.prom_parse import vllm_like_page
 from extproc.adapters.base import QueueGauges
 from extproc.errors import Code, PdError
 from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
+from extproc.upstream.prom_text import gauge_values, sample_values
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress, WorkerReply
 from tests.unit.test_processor import FakeTransport
 
@@ -22,8 +24,8 @@ vllm:num_requests_running{engine="0"} 7.0
 
 
 def test_every_label_set_of_the_named_gauges_is_summed_and_nothing_else() -> None:
-    assert waiting_from(PAGE, ["vllm:num_requests_waiting"]) == 5.0
-    assert waiting_from(PAGE, ["sglang:num_queue_reqs"]) is None
+    assert waiting_from(PAGE.encode(), ["vllm:num_requests_waiting"]) == 5.0
+    assert waiting_from(PAGE.encode(), ["sglang:num_queue_reqs"]) is None
 
 
 def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> None:
@@ -71,4 +73,23 @@ def test_a_scrape_slower_than_the_interval_gives_no_reading() -> None:
 
 def test_samples_with_timestamps_and_quoted_braces_are_read() -> None:
     page = 'vllm:num_requests_waiting{model_name="a } b \\" {"} 3 1700000000000\nvllm:num_requests_waiting 2\n'
-    assert waiting_from(page, ["vllm:num_requests_waiting"]) == 5.0
+    assert waiting_from(page.encode(), ["vllm:num_requests_waiting"]) == 5.0
+
+
+def test_gauges_are_found_by_their_line_start_only() -> None:
+    """gauge_values finds the named samples without reading the other lines: a name at the page's start,
+    after CRLF lines, a longer name it begins, a comment and a label value holding the name."""
+    page = (b'vllm:num_requests_waiting{engine="0"} 1\r\n'
+            b'# HELP vllm:num_requests_waiting x\n'
+            b'other{note="\\nvllm:num_requests_waiting 50"} 7\n'
+            b'vllm:num_requests_waiting_total 100\n'
+            b'vllm:num_requests_waiting{model_name="a } b \\" {"} 2 1700000000000\n'
+            b'vllm:num_requests_waiting 4')
+    assert list(gauge_values(page, ["vllm:num_requests_waiting"])) == [1.0, 2.0, 4.0]
+    assert list(gauge_values(page, ["sglang:num_queue_reqs"])) == []
+
+
+def test_gauge_values_agree_with_the_line_parser_on_an_engine_like_page() -> None:
+    page = vllm_like_page(histograms=4, buckets=3)
+    names = ["vllm:num_requests_waiting", "vllm:hist_1_count", "vllm:hist_2_bucket"]
+    assert sorted(gauge_values(page.encode(), names)) == sorted(sample_values(page, frozenset(names)))

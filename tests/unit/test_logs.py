@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 
 import orjson
@@ -17,17 +19,15 @@ FIELDS = {"request_id": "abc-1", "adapter": "vllm_nixl", "outcome": "ok", "statu
 def stream() -> Iterator[io.StringIO]:
     root = logging.getLogger()
     saved = root.handlers[:], root.level
-    logs.configure("info")
     sink = io.StringIO()
-    handler = root.handlers[0]
-    assert isinstance(handler, logging.StreamHandler)
-    handler.setStream(sink)
+    logs.configure("info", sink)
     yield sink
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
 
 
 def _lines(sink: io.StringIO) -> list[dict[str, object]]:
+    logs.flush()
     return [orjson.loads(line) for line in sink.getvalue().splitlines()]
 
 
@@ -45,6 +45,7 @@ def test_the_request_line_is_the_formatter_line_without_its_cost(stream: io.Stri
 def test_a_level_above_info_writes_nothing(stream: io.StringIO) -> None:
     logging.getLogger().setLevel("WARNING")
     logs.info(logging.getLogger("extproc.request"), "pd_request", FIELDS)
+    logs.flush()
     assert stream.getvalue() == ""
 
 
@@ -63,3 +64,45 @@ def test_any_other_set_up_gets_an_ordinary_record(stream: io.StringIO) -> None:
         logging.getLogger().removeHandler(capture)
     assert [(r.getMessage(), r.__dict__["outcome"]) for r in records] == [("pd_request", "ok")]
     assert len(_lines(stream)) == 1  # and the JSON handler still wrote its line
+
+
+class _RecordingStream(io.StringIO):
+    """Records the thread each write happens on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+    def write(self, text: str) -> int:
+        self.threads.append(threading.get_ident())
+        return super().write(text)
+
+
+def test_lines_are_written_by_the_writer_thread_not_the_caller() -> None:
+    """A blocked stderr must not hold the event loop: the caller only queues its line."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    sink = _RecordingStream()
+    logs.configure("info", sink)
+    try:
+        logs.info(logging.getLogger("extproc.request"), "pd_request", FIELDS)
+        logging.getLogger("extproc.server").warning("something", extra={"reason": "x"})
+        lines = _lines(sink)
+    finally:
+        logs.stop()
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert [line["msg"] for line in lines] == ["pd_request", "something"]
+    assert sink.threads and threading.get_ident() not in sink.threads
+
+
+def test_a_full_queue_drops_lines_and_reports_how_many() -> None:
+    lines: queue.Queue[str] = queue.Queue(2)
+    handler = logs.LineQueueHandler(lines)
+    for index in range(4):
+        handler.put(f'{{"n":{index}}}')
+    assert handler.dropped == 2
+    assert [lines.get_nowait() for _ in range(2)] == ['{"n":0}', '{"n":1}']
+    handler.put('{"n":4}')
+    note, line = orjson.loads(lines.get_nowait()), lines.get_nowait()
+    assert (note["msg"], note["dropped"], line) == ("log lines dropped", 2, '{"n":4}')

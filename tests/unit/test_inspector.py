@@ -1,0 +1,149 @@
+"""The body's inspection: the same answer inline and in the worker pool, a bounded answer, a pool that
+recovers from a dead worker, and the decode worker's name resolved off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+
+import orjson
+import pytest
+
+from extproc.core.fields import ReservedField
+from extproc.core.inspection import KEPT_VALUE_BYTES, Inspected, Refusal, Rules, inspect_answer
+from extproc.core.inspector import POOL_MAX, Inspector, pool_size
+from extproc.core.openai_request import MAX_MEMBERS, ClientRequest
+from extproc.errors import Code, PdError
+from extproc.units import Address
+from extproc.upstream.decode_target import DecodeTarget, Unresolvable
+
+CHAT = "/v1/chat/completions"
+RULES = Rules(1 << 20, (ReservedField("kv_transfer_params", (None, {})),), frozenset({"kv_transfer_params"}))
+PAD = "x" * (20 << 10)  # past the inline limit
+BODIES = {
+    "ok": {"model": "m", "stream": True, "stream_options": {"include_usage": False},
+           "messages": [{"role": "user", "content": PAD}]},
+    "reserved": {"kv_transfer_params": {"remote_host": "10.0.0.1"}, "messages": [{"role": "user", "content": PAD}]},
+    "steering": {"bootstrap_host": "10.0.0.1", "messages": [{"role": "user", "content": PAD}]},
+    "unsupported": {"n": 2, "messages": [{"role": "user", "content": PAD}]},
+    "bad field": {"max_tokens": 0, "messages": [{"role": "user", "content": PAD}]},
+}
+
+
+async def both(raw: bytes) -> tuple[ClientRequest | str, ClientRequest | str]:
+    """The answer inline and in a worker process (an error as its code and param)."""
+    answers: list[ClientRequest | str] = []
+    for inline_max in (1 << 30, 0):
+        inspector = Inspector(RULES, inline_max_bytes=inline_max)
+        try:
+            answers.append(await inspector.inspect(CHAT, "application/json", raw))
+        except PdError as error:
+            answers.append(f"{error.code.value} {error.param}")
+        finally:
+            inspector.close()
+    return answers[0], answers[1]
+
+
+def test_the_pool_answers_as_the_loop_does() -> None:
+    async def run() -> None:
+        for name, body in BODIES.items():
+            inline, pooled = await both(orjson.dumps(body))
+            assert inline == pooled, name
+        inline, _ = await both(orjson.dumps(BODIES["ok"]))
+        assert isinstance(inline, ClientRequest)
+        assert inline.body == {"model": "m", "stream": True, "stream_options": {"include_usage": False}}
+        assert [m.name for m in inline.members] == ["model", "stream", "stream_options", "messages"]
+        assert inline.unsupported is None and inline.stream
+
+    asyncio.run(run())
+
+
+def test_large_values_are_checked_but_not_kept() -> None:
+    raw = orjson.dumps({"model": "m", "user": "u" * KEPT_VALUE_BYTES, "messages": [{"role": "user", "content": "x"}]})
+    answer = inspect_answer(CHAT, "application/json", raw, RULES)
+    assert isinstance(answer, Inspected) and set(answer.kept) == {"model", "messages"}  # short messages are kept
+
+
+def test_a_body_with_too_many_members_is_refused() -> None:
+    """The bound that keeps a worker's answer small: at most MAX_MEMBERS top-level members."""
+    members = {f"x{index}": 0 for index in range(MAX_MEMBERS - 1)}
+    ok = orjson.dumps({**members, "messages": [{"role": "user", "content": "x"}]})
+    assert isinstance(inspect_answer(CHAT, "application/json", ok, RULES), Inspected)
+    too_many = orjson.dumps({**members, "one_more": 0, "messages": [{"role": "user", "content": "x"}]})
+    assert inspect_answer(CHAT, "application/json", too_many, RULES) == Refusal(Code.INVALID_REQUEST_BODY, None,
+                                                                                None)
+
+
+def dying_worker(path: str, content_type: str | None, raw: bytes, rules: Rules) -> Inspected | Refusal:
+    os._exit(3)
+
+
+def test_a_dead_worker_is_an_internal_error_and_the_next_body_gets_a_new_pool() -> None:
+    async def run() -> None:
+        raw = orjson.dumps(BODIES["ok"])
+        inspector = Inspector(RULES, work=dying_worker)
+        try:
+            with pytest.raises(PdError) as caught:
+                await inspector.inspect(CHAT, "application/json", raw)
+            assert caught.value.code is Code.INTERNAL_ERROR
+            inspector._work = inspect_answer
+            assert (await inspector.inspect(CHAT, "application/json", raw)).body["model"] == "m"
+        finally:
+            inspector.close()
+
+    asyncio.run(run())
+
+
+def test_refusals_that_need_no_parse_never_reach_a_worker() -> None:
+    async def run() -> None:
+        inspector = Inspector(Rules(64 << 10), work=dying_worker)
+        for path, content_type, raw, code in (
+                ("/v1/embeddings", "application/json", b"{" + b" " * (32 << 10) + b"}", Code.UNSUPPORTED_ENDPOINT),
+                (CHAT, "application/json", b" " * (65 << 10), Code.REQUEST_TOO_LARGE),
+                (CHAT, "text/plain", b" " * (32 << 10), Code.UNSUPPORTED_MEDIA_TYPE)):
+            with pytest.raises(PdError) as caught:
+                await inspector.inspect(path, content_type, raw)
+            assert caught.value.code is code
+        assert inspector.offloaded == 0
+
+    asyncio.run(run())
+
+
+def test_the_decode_name_is_resolved_by_the_loops_resolver_and_again_after_its_ttl() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        answers = iter(["127.0.0.2", "127.0.0.3"])
+        asked: list[str] = []
+        refreshed = asyncio.Event()
+
+        async def getaddrinfo(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+            asked.append(host)
+            if len(asked) == 2:
+                refreshed.set()
+            return [(0, 0, 0, "", (next(answers), port))]
+
+        loop.getaddrinfo = getaddrinfo  # type: ignore[method-assign,assignment]
+        target = DecodeTarget(Address("decode.local", 8200), ttl=0)
+        with pytest.raises(Unresolvable):
+            target.current  # noqa: B018  (a name has no address before start)
+        await target.start()
+        assert target.current.ip == ipaddress.ip_address("127.0.0.2")
+        await refreshed.wait()
+        assert target.current.ip == ipaddress.ip_address("127.0.0.3") and asked == ["decode.local"] * 2
+        await target.stop()
+
+    asyncio.run(run())
+
+
+def test_a_decode_ip_needs_no_resolution() -> None:
+    target = DecodeTarget(Address("10.0.0.5", 8200))
+    assert not target.is_name and target.current.ip == ipaddress.ip_address("10.0.0.5")
+
+
+def test_the_pool_is_bounded_by_the_cap_the_cpus_and_pool_max(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    assert pool_size(1024) == POOL_MAX  # a container that sees all of a big node's CPUs
+    assert pool_size(1) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert pool_size(1024, processes=2) == 1
