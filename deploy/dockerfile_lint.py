@@ -1,7 +1,8 @@
 """A small offline lint of the Dockerfile (no Docker engine here, so the image is never built).
 
 Rules: multi-stage; the final stage's base is pinned (a digest, or a tag with a full x.y.z version)
-and so is every other base; the final stage runs as a non-root user, has a HEALTHCHECK, copies its
+and so is every other base; each image stage (the last, and any stage no other stage uses, such as the
+server image's) runs as a non-root user, has a HEALTHCHECK, copies its
 software from an earlier stage and installs nothing (no package manager, compiler or pip); ENTRYPOINT
 and CMD use the exec (JSON) form; no ADD from a URL.
 
@@ -128,14 +129,21 @@ def _exec_form(value: str) -> bool:
     return isinstance(parsed, list) and all(isinstance(item, str) for item in parsed)
 
 
-def problems(text: str) -> list[str]:
-    found, _ = stages(text)
-    if len(found) < 2:
-        return ["expected a multi-stage build (a build stage and a final stage)"]
-    names = {stage.name for stage in found if stage.name}
-    out = [f"FROM {stage.base}: pin the base to a full x.y.z tag or a sha256 digest"
-           for stage in found if not _pinned(stage.base, names)]
-    final = found[-1]
+def image_stages(found: list[Stage]) -> list[Stage]:
+    """The stages that are images someone runs: the last one, and any no later stage builds on or copies from
+    (``--target server``)."""
+    used: set[str] = set()
+    for stage in found:
+        used.add(stage.base)
+        for keyword, rest in stage.instructions:
+            if keyword in ("COPY", "RUN"):
+                used.update(m.group(1) for m in _FROM_IMAGE.finditer(rest))
+    return [stage for index, stage in enumerate(found) if index == len(found) - 1 or stage.name not in used]
+
+
+def _image_problems(final: Stage) -> list[str]:
+    """What an image stage must be: non-root, a health check, software copied in, nothing installed, exec form."""
+    out = []
     users = [rest for keyword, rest in final.instructions if keyword == "USER"]
     if not users or users[-1].split(":")[0] in _ROOT_USERS:
         out.append("the final stage must end as a non-root USER")
@@ -153,6 +161,19 @@ def problems(text: str) -> list[str]:
             out.append("the final stage needs an ENTRYPOINT")
         if values and not _exec_form(values[-1]):
             out.append(f"{keyword} must use the exec (JSON array) form")
+    return out
+
+
+def problems(text: str) -> list[str]:
+    found, _ = stages(text)
+    if len(found) < 2:
+        return ["expected a multi-stage build (a build stage and a final stage)"]
+    names = {stage.name for stage in found if stage.name}
+    out = [f"FROM {stage.base}: pin the base to a full x.y.z tag or a sha256 digest"
+           for stage in found if not _pinned(stage.base, names)]
+    for stage in image_stages(found):
+        out += [problem.replace("the final stage", f"the {stage.name or 'final'} stage")
+                for problem in _image_problems(stage)]
     for stage in found:
         for keyword, rest in stage.instructions:
             if keyword == "ADD" and re.search(r"\bhttps?://", rest):

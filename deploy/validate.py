@@ -43,7 +43,9 @@ import yaml
 from kubernetes_validate.utils import SchemaNotFoundError  # type: ignore[import-untyped]
 
 from deploy import crd_schema, tools
-from deploy.render_manifests import COMPOSE_ENGINES, K8S_CONFIG
+from deploy.render_manifests import COMPOSE_ENGINES, SETTINGS_CONFIGMAP
+from extproc.config import load_settings
+from extproc.envoy.bootstrap import render_yaml
 
 REPO = tools.REPO
 COMPOSE_FILE = REPO / "envoy" / "docker-compose.yaml"
@@ -97,8 +99,9 @@ def load_documents(paths: Iterable[Path]) -> list[Document]:
 
 
 # The kustomize package and gateway mode: validated as what they render, never file by file.
-KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode")
+KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode", "gateway-mode-examples")
 GATEWAY_MODE = K8S_DIR / "gateway-mode"
+GATEWAY_EXAMPLES = K8S_DIR / "gateway-mode-examples"  # adopters' overlays of gateway mode, one per gateway
 KUSTOMIZATION = "kustomization.yaml"
 
 
@@ -144,7 +147,8 @@ def kustomize_documents(root: Path) -> list[Document]:
 
 def k8s_documents() -> list[Document]:
     """Every object every overlay and gateway-mode folder renders, and the plain manifests beside them."""
-    rendered = [doc for root in overlays() + kustomize_roots() for doc in render_overlay(root)]
+    roots = overlays() + kustomize_roots() + kustomize_roots(GATEWAY_EXAMPLES)
+    rendered = [doc for root in roots for doc in render_overlay(root)]
     return rendered + load_documents(k8s_files())
 
 
@@ -158,20 +162,30 @@ def is_envoy_bootstrap(text: str) -> bool:
     return isinstance(body, dict) and "static_resources" in body
 
 
-def envoy_configs(compose_dir: Path = REPO / "envoy", k8s_config: Path = K8S_CONFIG) -> dict[str, str]:
-    """Every Envoy bootstrap in the repository, by label: files and ConfigMap entries (the k8s one is in
-    the generated ConfigMaps every overlay takes from k8s/base)."""
+def decode_settings(docs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The PD_EXTPROC_* variables a rendered overlay gives the decode pod: the data of the ConfigMap its
+    pd-extproc container reads (kustomize's hashed ``pd-extproc-settings-<hash>``)."""
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    pod = by_name[("Deployment", "pd-decode")]["spec"]["template"]["spec"]
+    container = next(c for c in pod["containers"] if c["name"] == "pd-extproc")
+    name = container["envFrom"][0]["configMapRef"]["name"]
+    if not name.startswith(SETTINGS_CONFIGMAP):
+        raise ValueError(f"pd-decode's pd-extproc reads {name}, not {SETTINGS_CONFIGMAP}")
+    data: dict[str, str] = by_name[("ConfigMap", name)]["data"]
+    return data
+
+
+def envoy_configs(compose_dir: Path = REPO / "envoy") -> dict[str, str]:
+    """Every Envoy bootstrap the repository ships, by label: the compose files, and for each sidecar overlay
+    what its decode pods' init container renders (``pd-extproc envoy-config`` on that overlay's settings)."""
     found = {}
     for path in sorted(compose_dir.glob("*.yaml")):
         text = path.read_text()
         if is_envoy_bootstrap(text):
             found[_rel(path)] = text
-    for doc in load_documents([k8s_config]):
-        if doc.body.get("kind") != "ConfigMap":
-            continue
-        for key, text in (doc.body.get("data") or {}).items():
-            if isinstance(text, str) and is_envoy_bootstrap(text):
-                found[f"{doc.label} data.{key}"] = text
+    for overlay in overlays():
+        env = decode_settings([doc.body for doc in render_overlay(overlay)])
+        found[f"{_rel(overlay)} (init container envoy-config)"] = render_yaml(load_settings(env, {}))
     return found
 
 
@@ -324,7 +338,8 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]+")  # gwapiv1.HTTPHeader
 
 
 def client_traffic_policy_problems(body: Mapping[str, Any]) -> list[str]:
-    """Contract check of an Envoy Gateway ClientTrafficPolicy (NOT its CRD schema, which no registry ships).
+    """Contract check of an Envoy Gateway ClientTrafficPolicy: the fields we rely on (its CRD schema is checked
+    too, by crd_schema.crd_problems).
 
     Checks: apiVersion gateway.envoyproxy.io/v1alpha1; spec keys known to v1.9.0; targetRefs (the only way
     we target: a non-empty list of {group: gateway.networking.k8s.io, kind: Gateway, name}, the CRD's CEL

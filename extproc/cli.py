@@ -60,6 +60,10 @@ def cmd_serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     if refusal:
         raise ConfigError(refusal)
     logs.configure(settings.log_level)
+    from extproc.network_check import POD_IP_VARIABLE, network_warnings
+
+    for warning in network_warnings(settings, environ.get(POD_IP_VARIABLE)):
+        log.warning(warning)
     from extproc.app import ListenError, serve
 
     def announce(address: str, metrics_port: int) -> None:
@@ -88,13 +92,17 @@ def cmd_envoy_config(args: argparse.Namespace, environ: Mapping[str, str]) -> in
             ext_proc_address = parse_address(args.ext_proc_address) if args.ext_proc_address else None
         except ValueError as exc:
             raise ConfigError(f"--ext-proc-address: {exc}") from None
-        sys.stdout.write(render_parts_yaml(settings, args.decode_cluster, args.route_name, ext_proc_address))
-        return 0
-    if settings.mode == "gateway":
+        text = render_parts_yaml(settings, args.decode_cluster, args.route_name, ext_proc_address)
+    elif settings.mode == "gateway":
         raise ConfigError("gateway mode has no bootstrap of its own (the gateway's Envoy is yours): use --parts")
-    from extproc.envoy.bootstrap import render_yaml
+    else:
+        from extproc.envoy.bootstrap import render_yaml
 
-    sys.stdout.write(render_yaml(settings))
+        text = render_yaml(settings)
+    if args.output:  # the decode pod's init container writes Envoy's bootstrap into a volume this way
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -280,13 +288,15 @@ def build_parser(emulator_engine: str | None = None) -> argparse.ArgumentParser:
     envoy_config = commands.add_parser("envoy-config", help="print the Envoy bootstrap for these settings")
     add_arguments(envoy_config)
     envoy_config.add_argument("--parts", action="store_true",
-                              help="only what to add to an Envoy you already run (README, \"Your own Envoy\")")
+                              help="only what to add to an Envoy you already run (docs/install/own-envoy.md)")
     envoy_config.add_argument("--decode-cluster", default="decode",
                               help="with --parts, sidecar mode: your decode cluster, for the pd route")
     envoy_config.add_argument("--route-name", default="",
                               help="with --parts, gateway mode: the inference route's name (scopes the local replies)")
     envoy_config.add_argument("--ext-proc-address", default=None, metavar="HOST:PORT",
                               help="with --parts, gateway mode: the pd-extproc Service (resolved by DNS)")
+    envoy_config.add_argument("--output", "-o", default="", metavar="FILE",
+                              help="write to FILE instead of standard output")
     envoy_config.set_defaults(run=cmd_envoy_config)
     # Every argument is Envoy's (prefix_chars: none of ours, so `-c FILE` is not parsed here).
     envoy = commands.add_parser("envoy", help="run Envoy with these arguments; on SIGTERM drain it, then stop it",

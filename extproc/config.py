@@ -156,7 +156,7 @@ class Settings:
         "offered for sglang")
     trust_client_steering: bool = setting(
         False, parse_bool, "true turns the client guard off: a client may then send the fields and headers that "
-        "make an engine pull KV from a host of its choosing or hold KV (README, Security model); only where every "
+        "make an engine pull KV from a host of its choosing or hold KV (docs/security.md); only where every "
         "client is trusted")
     guard_allow_compressed_bodies: bool = setting(
         False, parse_bool, "true lets a request with x-body-compressed pass the client guard unread: an SGLang engine "
@@ -363,6 +363,9 @@ def _gateway_problems(settings: Settings) -> list[str]:
     if settings.decode_queue_limit:
         problems.append("decode_queue_limit: not in gateway mode (it reads the local decode worker's queue; "
                         "the endpoint picker already scores the decode pods' queues)")
+    if settings.workers > 1:
+        problems.append("workers: not in gateway mode (the gateway's Envoy reaches pd-extproc at one address, so "
+                        "workers 1..N-1 would never get a request): run more replicas of pd-extproc instead")
     engine = engines().get(settings.adapter)
     if engine is not None and engine.flow is Flow.CONCURRENT:
         problems.append(f"mode: adapter {settings.adapter} is not supported in gateway mode yet (its failed prefill "

@@ -32,6 +32,8 @@ ENVOY_ADMIN_CLUSTER = "envoy_admin"
 STATS_PATH = "/stats/prometheus"
 FALLBACK_HEADER = "x-pd-fallback"
 DECODE_CLUSTER = "decode"
+# On PD_EXTPROC_ENVOY_STATS_LISTEN: the decode engine's own metrics page (engine_metrics_path).
+ENGINE_METRICS_PATH = "/engine/metrics"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 BODY_LIMIT_FILTER = "envoy.filters.http.body_size_limit"
 
@@ -53,6 +55,11 @@ _STATS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stats.v3.Confi
 TIMING_STAT_PREFIX = "pd"
 TTFT_STAT = "time_to_first_token_ms"
 DECODE_STAT = "decode_ms"
+# The untrusted chain's route for a request that carries the picker's header from a peer outside
+# trusted_sources: served as a passthrough like any other, but logged under this route name and counted
+# (envoy_pd_untrusted_picker_header_rq), so a gateway missing from PD_EXTPROC_TRUSTED_SOURCES is loud.
+UNTRUSTED_PICKER_ROUTE = "untrusted_picker_header"
+UNTRUSTED_PICKER_STAT = "untrusted_picker_header_rq"
 # response.flags == 0: a stream the client abandoned keeps "via_upstream" but has no US_RX_END.
 def _pd_served(route_name: str) -> str:
     return (f"xds.route_name == '{route_name}' && response.code_details == 'via_upstream' && response.flags == 0u"
@@ -198,7 +205,9 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "request_headers_to_remove": sorted(PICKER_HEADERS),
     })
     if not pd_enabled:
-        return [passthrough]
+        counted = {**passthrough, "name": UNTRUSTED_PICKER_ROUTE,
+                   "match": {"prefix": "/", "headers": [{"name": PREFILL_TARGET_HEADER, "present_match": True}]}}
+        return [counted, passthrough]
     pd_route = {
         "name": "pd",
         "match": {
@@ -246,6 +255,14 @@ def timing_logs(route_name: str = "pd") -> list[dict[str, Any]]:
     ]
 
 
+def _untrusted_picker_log() -> dict[str, Any]:
+    """One count per request the untrusted chain served on UNTRUSTED_PICKER_ROUTE."""
+    return {"name": "envoy.access_loggers.stats",
+            "filter": _cel_filter(f"xds.route_name == '{UNTRUSTED_PICKER_ROUTE}'"),
+            "typed_config": {_TYPE: _STATS_LOG, "stats_scope": {"prefix": TIMING_STAT_PREFIX},
+                             "counters": [{"stat": {"name": UNTRUSTED_PICKER_STAT}, "value_fixed": 1}]}}
+
+
 def body_limit_filter(settings: Settings) -> dict[str, Any]:
     return {"name": BODY_LIMIT_FILTER,
             "typed_config": {_TYPE: _BODY_LIMIT, "max_request_bytes": settings.max_request_bytes}}
@@ -288,7 +305,7 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "upstream": "%UPSTREAM_HOST%",
                 "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
-        }, *(timing_logs() if pd_enabled else [])],
+        }, *(timing_logs() if pd_enabled else [_untrusted_picker_log()])],
         "local_reply_config": _local_reply_config(),
         "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
             {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
@@ -312,14 +329,26 @@ def _filter_chains(settings: Settings) -> list[dict[str, Any]]:
     return [trusted, untrusted]
 
 
-def _stats_listener(address: Address) -> dict[str, Any]:
-    """GET /stats/prometheus, proxied to the admin port; anything else 404. The admin port itself
-    (which can also stop Envoy) stays on loopback."""
+def engine_metrics_path(settings: Settings) -> str:
+    """Where the decode engine serves its Prometheus page (the adapter's, vLLM's and SGLang's /metrics)."""
+    engine = engines().get(settings.adapter)
+    queue = engine.decode_queue if engine is not None else None
+    return queue.path if queue is not None else "/metrics"
+
+
+def _stats_listener(settings: Settings, address: Address) -> dict[str, Any]:
+    """GET /stats/prometheus, proxied to the admin port, and GET ENGINE_METRICS_PATH, the decode engine's own
+    metrics page (it listens on loopback in the pod, so a scraper reaches it only here); anything else 404.
+    The admin port itself (which can also stop Envoy) stays on loopback."""
+    def get(path: str) -> dict[str, Any]:  # :path, not path: a query (filter=..., usedonly) is not passed on
+        return {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "GET"}},
+                                           {"name": ":path", "string_match": {"exact": path}}]}
+
     routes = [
-        {"name": "stats",  # :path, not path: a query (filter=..., usedonly) is not passed to the admin API
-         "match": {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "GET"}},
-                                              {"name": ":path", "string_match": {"exact": STATS_PATH}}]},
-         "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
+        {"name": "stats", "match": get(STATS_PATH), "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "10s"}},
+        {"name": "engine_metrics", "match": get(ENGINE_METRICS_PATH),
+         "route": {"cluster": DECODE_CLUSTER, "timeout": "10s", "regex_rewrite": {
+             "pattern": {"regex": ".*"}, "substitution": engine_metrics_path(settings)}}},
         {"name": "not_found", "match": {"prefix": "/"}, "direct_response": {"status": 404}},
     ]
     return {"name": "envoy_stats", "address": _socket_address(address), "filter_chains": [{"filters": [{
@@ -393,7 +422,7 @@ def render(settings: Settings) -> dict[str, Any]:
         "filter_chains": _filter_chains(settings),
     }]
     if settings.envoy_stats_listen is not None:
-        listeners.append(_stats_listener(settings.envoy_stats_listen))
+        listeners.append(_stats_listener(settings, settings.envoy_stats_listen))
         clusters.append({
             "name": ENVOY_ADMIN_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
             "load_assignment": {"cluster_name": ENVOY_ADMIN_CLUSTER, "endpoints": [

@@ -63,14 +63,20 @@ def _prestop(container: dict[str, Any]) -> int:
 
 # ------------------------------------------------------------------------------------------- Kubernetes
 
-def test_decode_envoy_runs_the_generated_bootstrap_on_the_listen_port(manifests: Manifests,
-                                                                      k8s_settings: Settings) -> None:
+def test_decode_envoy_runs_the_bootstrap_its_init_container_renders_from_the_settings(
+        manifests: Manifests, k8s_settings: Settings) -> None:
     envoy = manifests.container("pd-decode", "envoy")
     assert envoy["args"][:2] == ["-c", ENVOY_CONFIG_PATH]
-    volume = next(v for v in manifests.pod("pd-decode")["volumes"] if v.get("configMap", {}).get("name")
-                  == rm.ENVOY_CONFIGMAP)
-    assert _mount(envoy, volume["name"]) == posixpath.dirname(ENVOY_CONFIG_PATH)
+    pod = manifests.pod("pd-decode")
+    init = next(c for c in pod["initContainers"] if c["name"] == "envoy-config")
+    assert init["args"] == ["envoy-config", "--output", ENVOY_CONFIG_PATH]
     assert posixpath.basename(ENVOY_CONFIG_PATH) == rm.ENVOY_CONFIG_KEY
+    # The init container writes into the volume Envoy reads, from the ConfigMap pd-extproc reads, with its image.
+    volume = next(v for v in pod["volumes"] if v["name"] == "envoy-config")
+    assert "emptyDir" in volume
+    assert _mount(init, "envoy-config") == _mount(envoy, "envoy-config") == posixpath.dirname(ENVOY_CONFIG_PATH)
+    extproc = manifests.container("pd-decode", "pd-extproc")
+    assert init["envFrom"] == extproc["envFrom"] and init["image"] == extproc["image"]
     assert _port(envoy, "http") == k8s_settings.listen.port
     assert envoy["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(rm.REPO)}"
 
@@ -89,8 +95,12 @@ def test_envoy_and_pd_extproc_share_the_socket_directory(manifests: Manifests, k
 def test_pd_extproc_reads_the_generated_settings_and_probes_its_health_endpoints(
         manifests: Manifests, k8s_settings: Settings) -> None:
     extproc = manifests.container("pd-decode", "pd-extproc")
-    assert extproc["envFrom"] == [{"configMapRef": {"name": rm.SETTINGS_CONFIGMAP}}]
-    assert "env" not in extproc  # every setting comes from the generated ConfigMap
+    [source] = extproc["envFrom"]
+    name = source["configMapRef"]["name"]
+    # kustomize's generated name: the settings with a content hash, so a changed setting rolls the pods.
+    assert name.startswith(f"{rm.SETTINGS_CONFIGMAP}-") and manifests.has("ConfigMap", name)
+    # Every setting comes from the generated ConfigMap; the only other variable is the pod's own address.
+    assert extproc["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     assert _port(extproc, "metrics") == k8s_settings.metrics_listen.port
     assert extproc["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert extproc["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -265,7 +275,9 @@ def test_images_agree_between_compose_and_kubernetes(manifests: Manifests, compo
     # The image is tagged with the release (extproc/_version.py); an overlay may name a registry's copy.
     release = f"pd-extproc:{__version__}"
     assert {name: service["image"] for name, service in services.items()} == dict.fromkeys(services, release)
-    assert manifests.container("pd-decode", "pd-extproc")["image"].rsplit("/", 1)[-1] == release
+    # Kubernetes runs the server image (Dockerfile `--target server`) of the same release.
+    server = manifests.container("pd-decode", "pd-extproc")["image"]
+    assert server.rsplit("/", 1)[-1] == f"pd-extproc-server:{__version__}"
     # Compose's Envoy is the one in our image; Kubernetes runs Envoy's own image of the same release.
     assert manifests.container("pd-decode", "envoy")["image"] == f"envoyproxy/envoy:v{_makefile_envoy_version(repo)}"
     for deployment in ("pd-decode", "pd-prefill"):
@@ -401,9 +413,9 @@ def test_the_makefile_tags_the_image_with_the_release(repo: Path) -> None:
 
 def test_every_image_tag_the_repository_names_is_the_release(repo: Path) -> None:
     """Compose, the kustomize package, the Dockerfile's usage and the commands of README and docs/ name one tag."""
-    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "docs").glob("*.md")),
+    files = [repo / "Dockerfile", repo / "README.md", *sorted((repo / "docs").rglob("*.md")),
              *sorted((repo / "envoy").glob("*.yaml")),
              *sorted((repo / "k8s").rglob("*.yaml"))]
     tags = {(path.relative_to(repo).as_posix(), tag) for path in files
-            for tag in re.findall(r"pd-extproc:(\d+\.\d+\.\d+\S*)", path.read_text())}
+            for tag in re.findall(r"pd-extproc(?:-server)?:(\d+\.\d+\.\d+(?:[-+][\w.]*\w)?)", path.read_text())}
     assert tags and {tag for _, tag in tags} == {__version__}, sorted(tags)

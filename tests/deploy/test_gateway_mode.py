@@ -954,14 +954,15 @@ def test_istios_guard_is_the_generated_lua_and_each_envoy_filter_selects_the_gat
 
 
 def test_istios_local_replies_are_the_parts_mappers_scoped_to_the_inference_route() -> None:
-    """Istio names the rule's route <namespace>.<route>.<index> when the rule has no name (conversion.go:104-110);
-    the mappers match only there, so the Gateway's other routes keep Envoy's own errors."""
+    """Istio names the rule's route by the rule's own name (Istio 1.28 conversion.go convertHTTPRoute; without one,
+    <namespace>.<route>.<index>); the mappers match only there, so the Gateway's other routes keep Envoy's own
+    errors, and the name does not change with the namespace."""
     objects = rendered(ISTIO)
     route = objects.get("HTTPRoute", "pd-route")
     (rule,) = route["spec"]["rules"]
-    assert "name" not in rule and rule["backendRefs"][0]["kind"] == "InferencePool"
-    name = f"{route['metadata']['namespace']}.{route['metadata']['name']}.0"
-    assert rm.istio_route_name() == name == "llm.pd-route.0"
+    assert rule["backendRefs"][0]["kind"] == "InferencePool"
+    name = rule["name"]
+    assert rm.istio_route_name() == name == "pd-inference"
     (patch,) = objects.get("EnvoyFilter", "pd-extproc-local-replies")["spec"]["configPatches"]
     assert patch["applyTo"] == "NETWORK_FILTER" and patch["patch"]["operation"] == "MERGE"
     mappers = patch["patch"]["value"]["typed_config"]["local_reply_config"]["mappers"]

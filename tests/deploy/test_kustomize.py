@@ -70,7 +70,7 @@ def test_the_model_is_set_in_one_place(manifests: Manifests) -> None:
 
 def test_the_image_is_the_release(manifests: Manifests) -> None:
     image = manifests.container("pd-decode", "pd-extproc")["image"]
-    expected = "registry.example.com/llm/pd-extproc" if manifests.name == "example" else "pd-extproc"
+    expected = "registry.example.com/llm/pd-extproc-server" if manifests.name == "example" else "pd-extproc-server"
     assert image == f"{expected}:{__version__}"
 
 

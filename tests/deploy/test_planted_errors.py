@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ Mutation = Callable[[dict[str, Any]], None]
 
 def _doc(kind: str, name: str) -> dict[str, Any]:
     for doc in validate.k8s_documents():
-        if doc.body["kind"] == kind and doc.body["metadata"]["name"] == name:
+        # kustomize's generated ConfigMaps carry a content hash after the name
+        if doc.body["kind"] == kind and re.fullmatch(rf"{re.escape(name)}(-[a-z0-9]{{10}})?",
+                                                     doc.body["metadata"]["name"]):
             return copy.deepcopy(doc.body)
     raise KeyError((kind, name))
 
@@ -266,7 +269,9 @@ def test_an_object_of_an_unknown_group_is_a_problem() -> None:
 # ------------------------------------------------------------------------------------------ Dockerfile
 
 DOCKERFILE_PLANTS = {
-    "runs as root": ("USER 10001:10001", "USER root"),
+    "runs as root": ("USER 10001:10001", "USER root"),  # the first: the server image's stage
+    "default image runs as root": ("COPY --from=build /opt/envoy /opt/envoy\nUSER 10001:10001",
+                                   "COPY --from=build /opt/envoy /opt/envoy\nUSER root"),
     "no healthcheck": ("HEALTHCHECK --interval", "# HEALTHCHECK --interval"),
     "unpinned base": ("ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm", "ARG PYTHON_IMAGE=python:3.11-slim"),
     "compiler in the final image": ("USER 10001:10001",
@@ -277,9 +282,9 @@ DOCKERFILE_PLANTS = {
 
 # Each needs a registry even with a local base image (an air-gapped build).
 REGISTRY_PLANTS = {
-    "syntax directive": ("# pd-extproc in one image", "# syntax=docker/dockerfile:1\n# pd-extproc in one image"),
-    "syntax directive, spaced and capitalised": ("# pd-extproc in one image",
-                                                 "#  Syntax = docker/dockerfile:1.4\n# pd-extproc in one image"),
+    "syntax directive": ("# Two images from this file", "# syntax=docker/dockerfile:1\n# Two images from this file"),
+    "syntax directive, spaced and capitalised": ("# Two images from this file",
+                                                 "#  Syntax = docker/dockerfile:1.4\n# Two images from this file"),
     "BUILDKIT_SYNTAX argument": ("ARG PYTHON_IMAGE=", "ARG BUILDKIT_SYNTAX=docker/dockerfile:1\nARG PYTHON_IMAGE="),
     "base named in FROM": ("FROM ${PYTHON_IMAGE}\n", "FROM python:3.11.13-slim-bookworm\n"),
     "COPY from an image": ("COPY --from=build /opt/envoy /opt/envoy",

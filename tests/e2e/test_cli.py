@@ -230,3 +230,17 @@ def test_up_keeps_its_logs_when_asked_and_says_where(tmp_path: Path) -> None:
     assert process.returncode == 1
     [kept] = tmp_path.iterdir()
     assert kept.name.startswith("pd-extproc-up-") and f"logs kept in {kept}" in out
+
+
+def test_serve_warns_at_startup_when_the_address_settings_miss_the_pod_network() -> None:
+    """The shipped 10.0.0.0/8 on a pod in 192.168/16: said in the log before the server is ready."""
+    env = {"POD_IP": "192.168.7.12", "PD_EXTPROC_PREFILL_ALLOW": "10.0.0.0/8:8000",
+           "PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8", "PD_EXTPROC_GRPC_LISTEN": "127.0.0.1:0",
+           "PD_EXTPROC_METRICS_LISTEN": "127.0.0.1:0"}
+    process = extproc("serve", env=env)
+    assert process.stdout is not None
+    assert ready.is_ready(process.stdout.readline())
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert "PD_EXTPROC_PREFILL_ALLOW (10.0.0.0/8) does not contain this pod's address 192.168.7.12" in err
+    assert "PD_EXTPROC_TRUSTED_SOURCES (10.0.0.0/8) does not contain this pod's address 192.168.7.12" in err

@@ -141,6 +141,10 @@ def test_the_stats_listener_serves_only_envoys_prometheus_page() -> None:
         envoy_logged(stack, request_id)
         envoy_stats_settled(stack)
         assert 'envoy_pd_decode_ms_count{code="200"} 1' in httpx.get(url + "/stats/prometheus", timeout=10).text
+        # The decode engine's own page (its KV transfers among them), which it serves on loopback only.
+        engine = httpx.get(url + "/engine/metrics", timeout=10)
+        assert engine.status_code == 200 and "vllm:nixl_xfer_time_seconds_count{" in engine.text
+        assert httpx.post(url + "/engine/metrics", timeout=10).status_code == 404
         assert httpx.post(url + "/quitquitquit", timeout=10).status_code == 404
         assert httpx.post(url + "/stats/prometheus", timeout=10).status_code == 404
         for path in ("/stats", "/config_dump", "/clusters", "/stats/prometheus?filter=.*&format=json",

@@ -20,7 +20,16 @@ import trustme
 from extproc.errors import SPEC, Code
 from tests.conftest import SUMMARY
 from tests.harness import Stack, Worker, WorkerSpec, running_stack
-from tests.helpers import CHAT, COMPLETIONS, assert_error, chat_body, eventually, post
+from tests.helpers import (
+    CHAT,
+    COMPLETIONS,
+    assert_error,
+    chat_body,
+    envoy_logged,
+    envoy_stats_settled,
+    eventually,
+    post,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -140,6 +149,33 @@ def test_header_from_an_untrusted_peer_is_dropped_and_the_request_passes_through
     decode = untrusted_stack.decode.requests()
     assert len(decode) == 1 and untrusted_stack.decode.raw_body(decode[0]["seq"]) == raw
     assert "x-prefiller-host-port" not in dict(decode[0]["headers"])
+
+
+def _untrusted_picker_count(stack: Stack) -> int:
+    assert stack.envoy is not None
+    text = stack.envoy.admin_get("/stats/prometheus").decode()
+    found = [line for line in text.splitlines() if line.startswith("envoy_pd_untrusted_picker_header_rq")]
+    return int(float(found[0].rsplit(" ", 1)[1])) if found else 0
+
+
+def test_a_picker_header_from_an_untrusted_peer_is_counted_and_logged(untrusted_stack: Stack) -> None:
+    """Loud, not silent: a gateway missing from trusted_sources shows as this counter and as access-log
+    lines on the route untrusted_picker_header, while the request is still served decode-only."""
+    untrusted_stack.reset()
+    before = _untrusted_picker_count(untrusted_stack)
+    with untrusted_stack.client() as client:
+        plain = client.post(CHAT, content=json.dumps(chat_body(max_tokens=2)),
+                            headers={"content-type": "application/json", "x-request-id": "untrusted-plain"})
+    steered = post(untrusted_stack, CHAT, chat_body(max_tokens=2), **{"x-request-id": "untrusted-steered"})
+    assert plain.status_code == steered.status_code == 200
+    envoy_logged(untrusted_stack, "untrusted-plain", "untrusted-steered")
+    envoy_stats_settled(untrusted_stack)
+    assert _untrusted_picker_count(untrusted_stack) == before + 1
+    routes = {entry["request_id"]: entry["route"] for entry in
+              (json.loads(line) for line in (untrusted_stack.log_dir / "envoy.log").read_text().splitlines()
+               if line.startswith("{") and "untrusted-" in line)}
+    assert routes == {"untrusted-plain": "passthrough", "untrusted-steered": "untrusted_picker_header"}
+    assert untrusted_stack.prefill.requests() == []
 
 
 # --- TLS to prefill ----------------------------------------------------------------------------------

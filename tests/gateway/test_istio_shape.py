@@ -3,7 +3,7 @@
 the EnvoyFilters applied as listener_patch.go applies them), run on a real Envoy 1.40 with the fake
 picker, our servers and three decode workers. Filter order: the client guard (inserted before the picker),
 Istio's picker (enabled on the route by ExtProcPerRoute overrides), grpc_stats, fault, cors, pd-extproc
-(inserted before the router), the router; local-reply mappers scoped to the route llm.pd-route.0.
+(inserted before the router), the router; local-reply mappers scoped to the route pd-inference.
 
 The only changes to that shape here are the addresses (loopback ports of this test's processes), an
 admin endpoint, and stat prefixes (the connection manager's, each ext_proc's) to read Envoy's counters."""
@@ -131,7 +131,7 @@ def test_a_decode_only_pick_passes_untouched_after_one_headers_message(istio: Ga
 
 def test_pd_extproc_down_is_our_json_503_and_reaches_no_engine(istio: GatewayStack) -> None:
     """status_on_error 510 (envoyfilter.yaml, parts.GATEWAY_STATUS_ON_ERROR) and the merged local-reply mappers
-    (scoped to llm.pd-route.0): with every replica down a P/D request and a decode-only one (our filter makes
+    (scoped to pd-inference): with every replica down a P/D request and a decode-only one (our filter makes
     a headers exchange for it) get pd-extproc's documented JSON 503, never a decode without its handoff."""
     for replica in istio.replicas:
         replica.child.stop(sig=signal.SIGKILL)

@@ -79,7 +79,14 @@ def test_untrusted_sources_get_no_pd_route_and_no_ext_proc() -> None:
     chains = config["static_resources"]["listeners"][0]["filter_chains"]
     assert chains[0]["filter_chain_match"]["source_prefix_ranges"] == [{"address_prefix": "10.0.0.0", "prefix_len": 8}]
     untrusted = _hcm(config, 1)
-    assert [r["name"] for r in untrusted["route_config"]["virtual_hosts"][0]["routes"]] == ["passthrough"]
+    routes = untrusted["route_config"]["virtual_hosts"][0]["routes"]
+    # A picker header from there is served as a passthrough too, on a route of its own that is counted.
+    assert [r["name"] for r in routes] == ["untrusted_picker_header", "passthrough"]
+    assert routes[0]["route"] == routes[1]["route"]
+    assert routes[0]["request_headers_to_remove"] == routes[1]["request_headers_to_remove"]
+    assert "x-prefiller-host-port" in routes[0]["request_headers_to_remove"]
+    assert all("typed_per_filter_config" not in route or "envoy.filters.http.ext_proc" not in
+               route["typed_per_filter_config"] for route in routes)
     assert all(f["name"] != "envoy.filters.http.ext_proc" for f in untrusted["http_filters"])
 
 

@@ -31,7 +31,8 @@ def test_sidecar_is_the_default_mode() -> None:
     ({"PD_EXTPROC_MODE": "ingress"}, "expected one of"),
     ({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_DECODE_QUEUE_LIMIT": "8"}, "decode_queue_limit: not in gateway mode"),
     ({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_ADAPTER": "sglang"}, "not supported in gateway mode"),
-], ids=["unknown", "decode-queue", "concurrent-adapter"])
+    ({"PD_EXTPROC_MODE": "gateway", "PD_EXTPROC_WORKERS": "2"}, "workers: not in gateway mode .* more replicas"),
+], ids=["unknown", "decode-queue", "concurrent-adapter", "workers"])
 def test_settings_without_meaning_in_gateway_mode_refuse_to_start(env: dict[str, str], problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         load_settings(env, {})

@@ -1,0 +1,132 @@
+"""docs/install/: one page per shape, each with the same steps, and its offline steps run exactly as written.
+
+The blocks a page marks ``<!-- walkthrough: offline -->`` (kustomize overlays written and rendered,
+``--parts`` merged into an Envoy and validated) run in one bash script per page, in a scratch folder that holds a
+copy of k8s/ in ``pd-extproc/`` (the checkout the pages tell operators to make), with kubectl, envoy and
+pd-extproc on PATH. Nothing connects anywhere: kustomize reads local folders only. What they render is then
+checked as an operator would need it. The Compose page's commands are tests/compose's (test_readme.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy import tools, validate
+from extproc._version import __version__
+from tests.deploy.test_operator_overlays import _OLD, EXTERNAL_NAMESPACES, _strings
+
+pytestmark = pytest.mark.deploy
+
+INSTALL = validate.REPO / "docs" / "install"
+PAGES = {"compose", "own-envoy", "envoy-gateway", "istio"}
+KUBERNETES_PAGES = ("envoy-gateway", "istio")
+OFFLINE = "<!-- walkthrough: offline -->"
+# The steps every page has, as words its `## ` headings contain (in this order).
+STEPS = (("prerequisites",), ("image", "get pd-extproc"), ("configure",), ("apply", "run"), ("verify",),
+         ("observe",), ("troubleshoot",), ("upgrade",), ("uninstall",))
+NAMESPACE = "inference"
+IMAGE = f"registry.example.com/ai/pd-extproc-server:{__version__}"
+
+
+def _page(name: str) -> str:
+    return (INSTALL / f"{name}.md").read_text()
+
+
+def offline_blocks(text: str) -> list[str]:
+    blocks = re.findall(rf"^{re.escape(OFFLINE)}\n```sh\n(.*?)^```$", text, re.S | re.M)
+    assert text.count(OFFLINE) == len(blocks), "a walkthrough marker without a ```sh block right after it"
+    return blocks
+
+
+def run_offline(name: str, workdir: Path) -> subprocess.CompletedProcess[str]:
+    shutil.copytree(validate.K8S_DIR, workdir / "pd-extproc" / "k8s")
+    tool_dirs = [str(tools.kubectl_bin().parent), str(Path(sys.executable).parent), str(Path(tools.envoy_bin()).parent)]
+    env = {"PATH": os.pathsep.join([*tool_dirs, "/usr/bin", "/bin"]), "HOME": str(workdir), "LANG": "C.UTF-8"}
+    script = "set -euo pipefail\n" + "\n".join(offline_blocks(_page(name)))
+    return subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_there_is_one_page_per_shape() -> None:
+    assert {path.stem for path in INSTALL.glob("*.md")} == PAGES
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_each_page_walks_the_same_steps_in_order(name: str) -> None:
+    headings = [line[3:].lower() for line in _page(name).splitlines() if line.startswith("## ")]
+    positions = []
+    for words in STEPS:
+        found = [index for index, heading in enumerate(headings) if any(word in heading for word in words)]
+        assert found, f"{name}.md has no `## ` heading for {words[0]}"
+        positions.append(found[0])
+    assert positions == sorted(positions), f"{name}.md: steps out of order: {headings}"
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_each_page_verifies_that_prefill_ran_and_kv_moved(name: str) -> None:
+    text = _page(name)
+    verify = text[text.lower().index("verify"):]
+    assert 'outcome="ok"' in verify and "pd_extproc_requests_total" in verify
+    assert "vllm:nixl_xfer_time_seconds_count" in verify
+
+
+def test_the_offline_steps_of_the_own_envoy_page_render_merge_and_validate(tmp_path: Path) -> None:
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "configuration 'my-envoy.merged.yaml' OK" in result.stdout
+    merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
+    hcm = merged["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]][-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    routes = vhost["routes"]
+    assert routes[0]["name"] == "pd" and routes[0]["route"]["cluster"] == "my_decode"
+    assert routes[-1]["route"] == {"cluster": "my_decode"}  # the user's own route, untouched and last
+    # Every part the renderer gives has a place (the page's script refuses a part it does not place).
+    parts = yaml.safe_load((tmp_path / "pd-parts.yaml").read_text())
+    for name, value in parts["virtual_host_additions"].items():
+        assert vhost[name] == value
+    assert hcm["access_log"] == parts["access_log"]
+    assert hcm["early_header_mutation_extensions"] == parts["early_header_mutation_extensions"]
+
+
+def _rendered(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _problems(docs: list[dict[str, Any]]) -> list[str]:
+    found = []
+    for doc in docs:
+        label = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] != "Namespace" and doc["metadata"].get("namespace", NAMESPACE) != NAMESPACE:
+            found.append(f"{label}: namespace {doc['metadata']['namespace']}")
+        found += [f"{label} {path}: {value[:100]}" for path, value in _strings(doc)
+                  if _OLD.search(value) and value not in EXTERNAL_NAMESPACES]
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {}) if doc["kind"] == "Deployment" else {}
+        found += [f"{label}: image {c['image']}" for c in pod.get("containers", []) + pod.get("initContainers", [])
+                  if "pd-extproc" in c["image"] and c["image"] != IMAGE]
+    return found
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(name: str, tmp_path: Path) -> None:
+    result = run_offline(name, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rendered = sorted(tmp_path.glob("*.yaml"))
+    assert [path.name for path in rendered] == ["my-pd-sidecar.yaml", "my-pd.yaml"]
+    for path in rendered:
+        docs = _rendered(path)
+        assert not _problems(docs), "\n".join(_problems(docs))
+        settings = [doc for doc in docs if doc["kind"] == "ConfigMap"
+                    and doc["metadata"]["name"].startswith(("pd-extproc-settings-", "pd-extproc-gateway-settings-"))]
+        assert len(settings) == 1 and settings[0]["data"]["PD_EXTPROC_PREFILL_ALLOW"] == "192.168.0.0/16:8000"
+        models = [doc["data"]["MODEL"] for doc in docs
+                  if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("pd-model-")]
+        assert models == ["Qwen/Qwen3-8B"]
