@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import loop_stall, soak_markdown
+from bench import loop_stall, soak_markdown, sweep_markdown
 from bench.report import KIB, MIB
 
 NOISY = 0.10
@@ -472,6 +472,7 @@ def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> st
     lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *loop_stall_section(results),
+             *sweep_markdown.render(summary.get("size_sweep") or {}, results["options"]),
              *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
              *stage_budget(results), *soak()]
