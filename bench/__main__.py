@@ -32,11 +32,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels of the cheap set")
     parser.add_argument("--size-sweep-only", action="store_true",
                         help="check every system, then run only the size sweep (cheap set)")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="check every system, then only profile our server under P/D load (make profile): "
+                             "a flame graph SVG in --out")
+    parser.add_argument("--profile-concurrency", type=int, help="concurrency of the profiled load")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="work directory (logs, results.json)")
-    parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where to write the report")
-    parser.add_argument("--plot", type=Path, default=BENCH_DIR / "added_latency.png", help="where to write the PNG")
-    parser.add_argument("--sweep-plot", type=Path, default=BENCH_DIR / "size_sweep.png",
-                        help="where to write the size sweep's PNG")
+    parser.add_argument("--results", type=Path,
+                        help="where to write the report (default: bench/RESULTS.md; --out for a partial run)")
+    parser.add_argument("--plot", type=Path, help="where to write the PNG (default: bench/added_latency.png; "
+                                                  "--out for a partial run)")
+    parser.add_argument("--sweep-plot", type=Path,
+                        help="where to write the size sweep's PNG (default: bench/size_sweep.png; --out for a "
+                             "partial run)")
     parser.add_argument("--bench-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
                         help="Python with matplotlib (runs bench/plot.py)")
     parser.add_argument("--command", default="make bench", help="the command named in RESULTS.md")
@@ -55,6 +62,10 @@ def _options(args: argparse.Namespace, py_spy: str) -> Options:
         values["concurrency"] = tuple(args.concurrency)
     if args.size_sweep_only:
         values["size_sweep_only"] = True
+    if args.profile_only:
+        values["profile_only"] = True
+    if args.profile_concurrency is not None:
+        values["profile_concurrency"] = args.profile_concurrency
     return dataclasses.replace(Options(py_spy=py_spy), **values)  # type: ignore[arg-type]
 
 
@@ -69,6 +80,11 @@ def _utc_now() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # A partial run writes its report and plots beside its results.json, never over the full run's.
+    home = args.out if args.size_sweep_only or args.profile_only else BENCH_DIR
+    args.results = args.results or home / "RESULTS.md"
+    args.plot = args.plot or home / "added_latency.png"
+    args.sweep_plot = args.sweep_plot or home / "size_sweep.png"
     tools = default_tools()
     py_spy = str(Path(args.bench_python).parent / "py-spy")
     options = _options(args, py_spy if Path(py_spy).exists() else "")

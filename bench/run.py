@@ -18,6 +18,8 @@ Order of phases:
      Envoy alone, pd-extproc and vllm-router, SWEEP_ROUNDS rounds in a rotated order, CPU counted over
      each proxy's whole process tree (our inspection pool parses bodies over 16 KiB in its own
      processes). With --size-sweep-only, phases 2-7 are skipped.
+With --profile-only (``make profile``): phase 1, a warm-up, and phase 5's py-spy profile alone, at
+profile_concurrency, written as a flame graph SVG (bench/flamegraph.py) beside results.json.
 A point measured while other processes used more than NOISE_THRESHOLD of the machine is measured
 again (at most NOISE_RETRIES times, within a run-wide RETRY_BUDGET, each retry after waiting up to
 QUIET_WAIT seconds for the machine to calm down) and the quietest attempt is kept; each point
@@ -35,7 +37,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import envoylog, inflight, loop_stall, machine, procs, profiling, sequential, serverlog, stages, verify, wrk
+from bench import (
+    envoylog,
+    flamegraph,
+    inflight,
+    loop_stall,
+    machine,
+    procs,
+    profiling,
+    sequential,
+    serverlog,
+    stages,
+    verify,
+    wrk,
+)
 from bench.envoy_plain import CEILING_PATH
 from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
@@ -85,6 +100,7 @@ class Options:
     sweep_seconds: int = 3
     sweep_concurrency: int = 1
     size_sweep_only: bool = False
+    profile_only: bool = False
 
 
 @dataclass
@@ -330,6 +346,11 @@ class Bench:
         point.update(phase="profile", round=0)
         run.points.append(point)
         run.profile = dataclasses.asdict(profiling.summarise(raw, seconds))
+        if raw.exists():
+            svg = self.work_dir / "pd-extproc-profile.svg"
+            flamegraph.write(raw, svg, f"pd-extproc serve, non-streaming P/D at c={concurrency}, {seconds} s "
+                                       f"({point['rps']:.0f} req/s)")
+            run.profile["flamegraph"] = str(svg)
         self.log(f"profile: {run.profile['samples']} samples of pd-extproc serve at c={point['concurrency']}")
 
     def idle_rss(self, run: Run, label: str) -> None:
@@ -396,6 +417,10 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
         bench.inspect_systems(run)
         if options.size_sweep_only:
             bench.size_sweep(run)
+            return
+        if options.profile_only:
+            bench.warm_up()
+            bench.profile_server(run)
             return
         bench.idle_rss(run, "after start")
         slow = SLOW_SET in fleet.sets
