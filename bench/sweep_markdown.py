@@ -63,7 +63,7 @@ def render(sweep: dict[str, Any], options: dict[str, Any], placeholder: str = ""
         "decode (paired by round) / CPU per request of all the proxy's processes and their children (ours: "
         "server, its inspection pool, its Envoy; vllm-router: its one process; Envoy alone: Envoy). "
         "✗ = a problem at that point (see the checks below).", "",
-        *_table(["kind", "body", *SYSTEMS], cost), "",
+        *_table(["kind", "body", *SYSTEMS], cost), "", "![Cost by body size](size_sweep.png)", "",
         "Cost per MiB above the smallest body (marginal: the fixed cost of a request taken out), added p50 / CPU:",
         "", *_table(["kind", "body", *SYSTEMS], marginal), "",
         "pd-extproc's per-MiB cost over vllm-router's (the issue's bound: at most 2x from 1 MiB):", "",
