@@ -318,7 +318,8 @@ def large_body(summary: dict[str, Any]) -> list[str]:
     return ["## 20 MiB request body, concurrency 1 (emulated workers)", "",
             "A chat request whose one user message carries a text part and a ~20 MiB base64 `image_url` data "
             "URL; sent back to back on one connection (a fixed number per system and round, not a timed run, "
-            "because one request can take seconds).", "",
+            "because one request can take seconds). CPU counts each process's children too (our inspection pool "
+            "parses the body in its own process).", "",
             *_table(["system", "requests", "req/s", "p50 / max ms", "added p50 ms", "errors",
                      "CPU ms/request", "checks"], rows), ""]
 
