@@ -86,6 +86,7 @@ def plot_sweep(results: dict[str, Any], output: Path) -> None:
                           color=colour, marker=marker)
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
+        axis.set_xticks([1, 16, 256, 1024, 8192], ["1 KiB", "16 KiB", "256 KiB", "1 MiB", "8 MiB"])
         axis.set_title(f"{kind}: {label}", fontsize=10)
         axis.grid(True, which="both", alpha=0.3)
     for axis in axes[1]:

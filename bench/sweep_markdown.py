@@ -36,7 +36,8 @@ def _per_mib(row: dict[str, Any] | None) -> str:
 
 
 def render(sweep: dict[str, Any], options: dict[str, Any], placeholder: str = "") -> list[str]:
-    """The section, or nothing when the run had no sweep. ``placeholder``: a note printed first."""
+    """The section, or nothing when the run had no sweep. ``placeholder``: a note printed first, for figures
+    pasted into another run's report (no plot link then: the plot is not kept)."""
     if not sweep:
         return []
     rows = sweep["rows"]
@@ -63,14 +64,15 @@ def render(sweep: dict[str, Any], options: dict[str, Any], placeholder: str = ""
         "decode (paired by round) / CPU per request of all the proxy's processes and their children (ours: "
         "server, its inspection pool, its Envoy; vllm-router: its one process; Envoy alone: Envoy). "
         "✗ = a problem at that point (see the checks below).", "",
-        *_table(["kind", "body", *SYSTEMS], cost), "", "![Cost by body size](size_sweep.png)", "",
+        *_table(["kind", "body", *SYSTEMS], cost), "",
+        *([] if placeholder else ["![Cost by body size](size_sweep.png)", ""]),
         "Cost per MiB above the smallest body (marginal: the fixed cost of a request taken out), added p50 / CPU:",
         "", *_table(["kind", "body", *SYSTEMS], marginal), "",
         "pd-extproc's per-MiB cost over vllm-router's (the issue's bound: at most 2x from 1 MiB):", "",
         *_table(["kind", "body", "added p50", "CPU"], ratios), "",
         "Growth: the exponent of a least-squares fit of log(marginal cost) on log(size) from 256 KiB (1 = linear, "
         "2 = quadratic; flagged above 1.3):", "",
-        *_table(["kind", "system", "added p50", "CPU"], growth), "",
+        *_table(["kind", "system", "added p50", "CPU", "growth"], growth), "",
         *_table(["target", "measured", "verdict"], verdicts), "",
         "Validity (the headline's rule: direct decode at least 5x the fastest P/D proxy's throughput, lowest "
         "point of the sweep):", "",
