@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     str(args.sweep_plot)], check=True)
     written = orjson.loads(results_json.read_bytes())
     args.results.write_text(markdown.render(written, written["summary"], args.command))
-    _log(f"wrote {args.results}, {args.plot}, {args.sweep_plot} and {results_json}")
+    written_files = [args.results, *(path for path in (args.plot, args.sweep_plot) if path.exists()), results_json]
+    _log("wrote " + ", ".join(str(path) for path in written_files))
     for verdict in results["summary"]["verdicts"]:
         _log(f"target {'met' if verdict['met'] else 'MISSED'}: {verdict['target']}: {verdict['measured']}")
     for verdict in results["summary"]["size_sweep"].get("verdicts", []):
