@@ -28,7 +28,7 @@ export PD_EXTPROC_ENVOY_BIN ?= $(abspath $(ENVOY_VENV)/bin/envoy)
 export PD_REALVLLM_PYTHON ?= $(abspath $(VLLM_VENV)/bin/python)
 export PD_REALVLLM_MODEL_DIR ?= $(abspath $(TINY_MODEL))
 
-.PHONY: install run test lint unit e2e check bench clean realvllm sglang-models guard-parsers version image server-image
+.PHONY: install run test lint unit e2e check bench profile clean realvllm sglang-models guard-parsers version image server-image
 
 install: $(VENV)/.installed $(ENVOY_VENV)/.installed
 
@@ -172,6 +172,13 @@ bench-tools: $(VENV)/.installed
 
 bench: install $(BENCH_VENV)/.installed bench-tools
 	$(BIN)/python -m bench
+
+# Where our server's CPU goes: py-spy on `pd-extproc serve` under non-streaming P/D load at c=64 (cheap
+# workers), as a flame graph: bench/out/profile/pd-extproc-profile.svg (not kept in git; copy one
+# taken on a quiet machine into the change it explains).
+.PHONY: profile
+profile: install $(BENCH_VENV)/.installed bench-tools
+	$(BIN)/python -m bench --sets cheap --profile-only --profile-concurrency 64 --out bench/out/profile
 
 # The soak (issue 27; docs: bench/soak.py, results: bench/SOAK.md): the real stack under a mixed load
 # and scheduled faults for SOAK_MINUTES, niced, loopback only. Not part of `make test`, which runs the

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orjson
 
-from bench import machine, markdown, report
+from bench import machine, markdown, report, sweep_report
 from bench.run import Options, Run, execute
 from bench.systems import REPO, WORKER_SETS, default_tools, running_fleet
 from pd_extproc_lab.process import StackError
@@ -21,7 +21,7 @@ BENCH_DIR = REPO / "bench"
 QUICK = {"rounds": 1, "seconds": 1, "warmup_seconds": 1, "large_body_rounds": 1, "large_body_requests": 1,
          "inflight_requests": 200, "inflight_delay": 2.0, "profile_seconds": 3, "quiet_max_wait": 5.0,
          "stage_requests": 300, "stage_repeats": 1,
-         "beside_seconds": 4, "loop_stall_mib": 2}
+         "beside_seconds": 4, "loop_stall_mib": 2, "sweep_rounds": 1, "sweep_seconds": 1}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,9 +30,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, help="interleaved rounds per point")
     parser.add_argument("--seconds", type=int, help="whole seconds per measured point")
     parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels of the cheap set")
+    parser.add_argument("--size-sweep-only", action="store_true",
+                        help="check every system, then run only the size sweep (cheap set)")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="check every system, then only profile our server under P/D load (make profile): "
+                             "a flame graph SVG in --out")
+    parser.add_argument("--profile-concurrency", type=int, help="concurrency of the profiled load")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "out", help="work directory (logs, results.json)")
-    parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where to write the report")
-    parser.add_argument("--plot", type=Path, default=BENCH_DIR / "added_latency.png", help="where to write the PNG")
+    parser.add_argument("--results", type=Path,
+                        help="where to write the report (default: bench/RESULTS.md; --out for a partial run)")
+    parser.add_argument("--plot", type=Path, help="where to write the PNG (default: bench/added_latency.png; "
+                                                  "--out for a partial run)")
+    parser.add_argument("--sweep-plot", type=Path,
+                        help="where to write the size sweep's PNG (default: bench/size_sweep.png; --out for a "
+                             "partial run)")
     parser.add_argument("--bench-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
                         help="Python with matplotlib (runs bench/plot.py)")
     parser.add_argument("--command", default="make bench", help="the command named in RESULTS.md")
@@ -49,6 +60,12 @@ def _options(args: argparse.Namespace, py_spy: str) -> Options:
         values["seconds"] = args.seconds
     if args.concurrency:
         values["concurrency"] = tuple(args.concurrency)
+    if args.size_sweep_only:
+        values["size_sweep_only"] = True
+    if args.profile_only:
+        values["profile_only"] = True
+    if args.profile_concurrency is not None:
+        values["profile_concurrency"] = args.profile_concurrency
     return dataclasses.replace(Options(py_spy=py_spy), **values)  # type: ignore[arg-type]
 
 
@@ -63,6 +80,11 @@ def _utc_now() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # A partial run writes its report and plots beside its results.json, never over the full run's.
+    home = args.out if args.size_sweep_only or args.profile_only else BENCH_DIR
+    args.results = args.results or home / "RESULTS.md"
+    args.plot = args.plot or home / "added_latency.png"
+    args.sweep_plot = args.sweep_plot or home / "size_sweep.png"
     tools = default_tools()
     py_spy = str(Path(args.bench_python).parent / "py-spy")
     options = _options(args, py_spy if Path(py_spy).exists() else "")
@@ -85,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     run.finished = _utc_now()
     results = dataclasses.asdict(run)
     results["summary"] = report.summary(results)
+    results["summary"]["size_sweep"] = sweep_report.summary(results["points"])
     results_json = args.out / "results.json"
     results_json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
-    subprocess.run([args.bench_python, str(BENCH_DIR / "plot.py"), str(results_json), str(args.plot)], check=True)
+    subprocess.run([args.bench_python, str(BENCH_DIR / "plot.py"), str(results_json), str(args.plot),
+                    str(args.sweep_plot)], check=True)
     written = orjson.loads(results_json.read_bytes())
     args.results.write_text(markdown.render(written, written["summary"], args.command))
-    _log(f"wrote {args.results}, {args.plot} and {results_json}")
+    written_files = [args.results, *(path for path in (args.plot, args.sweep_plot) if path.exists()), results_json]
+    _log("wrote " + ", ".join(str(path) for path in written_files))
     for verdict in results["summary"]["verdicts"]:
+        _log(f"target {'met' if verdict['met'] else 'MISSED'}: {verdict['target']}: {verdict['measured']}")
+    for verdict in results["summary"]["size_sweep"].get("verdicts", []):
         _log(f"target {'met' if verdict['met'] else 'MISSED'}: {verdict['target']}: {verdict['measured']}")
     return 1 if run.incomplete else 0
 

@@ -33,6 +33,7 @@ import time
 REASON = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
 TOKENS = 16
 _CONTENT = "".join(f"tok{i} " for i in range(TOKENS))
+HANDOFF_WINDOW = 4096  # bytes either side of the consumer mark where the handoff's members are read
 _HANDOFF_MARK = re.compile(rb'"do_remote_decode"\s*:\s*true')
 _CONSUMER_MARK = re.compile(rb'"do_remote_prefill"\s*:\s*true')
 _ENGINE_ID = re.compile(rb'"remote_engine_id"\s*:\s*"([^"]*)"')
@@ -138,11 +139,15 @@ class Worker:
             self._next_id += 1
             payload = self._handoff_parts[0] + b"cheap-%d" % self._next_id + self._handoff_parts[1]
             return _response(200, payload)
-        if self.role == "decode" and _CONSUMER_MARK.search(body):
-            engine = _ENGINE_ID.search(body)
+        consumer = _CONSUMER_MARK.search(body) if self.role == "decode" else None
+        if consumer is not None:
+            # The handoff's other members sit in the same small object: read them near the mark, not in
+            # the whole body (a long prompt would make the worker pay per byte, as the proxies do).
+            near = body[max(0, consumer.start() - HANDOFF_WINDOW):consumer.end() + HANDOFF_WINDOW]
+            engine = _ENGINE_ID.search(near)
             if engine is not None and engine.group(1) == self.engine_id:
                 self.counters["consumer"] += 1
-                request_id = _REQUEST_ID.search(body)
+                request_id = _REQUEST_ID.search(near)
                 if request_id is not None:
                     self.handoff_ids.add(request_id.group(1))
                 return self._stream[chat] if stream else self._full[chat]

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import loop_stall, soak_markdown
+from bench import loop_stall, soak_markdown, sweep_markdown
 from bench.report import KIB, MIB
 
 NOISY = 0.10
@@ -318,7 +318,8 @@ def large_body(summary: dict[str, Any]) -> list[str]:
     return ["## 20 MiB request body, concurrency 1 (emulated workers)", "",
             "A chat request whose one user message carries a text part and a ~20 MiB base64 `image_url` data "
             "URL; sent back to back on one connection (a fixed number per system and round, not a timed run, "
-            "because one request can take seconds).", "",
+            "because one request can take seconds). CPU counts each process's children too (our inspection pool "
+            "parses the body in its own process).", "",
             *_table(["system", "requests", "req/s", "p50 / max ms", "added p50 ms", "errors",
                      "CPU ms/request", "checks"], rows), ""]
 
@@ -472,6 +473,7 @@ def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> st
     lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *loop_stall_section(results),
+             *sweep_markdown.render(summary.get("size_sweep") or {}, results["options"]),
              *inflight(results), *checks(results, summary),
              *envoy_outcomes(results), *fairness(results, summary), *profile(results, summary),
              *stage_budget(results), *soak()]

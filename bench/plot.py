@@ -1,6 +1,7 @@
-"""Plot added latency vs concurrency per system from results.json's summary.
+"""Plot added latency vs concurrency per system from results.json's summary, and the size sweep's cost by body
+size when the run had one.
 
-Run with the bench virtualenv's Python (it has matplotlib): ``python bench/plot.py RESULTS_JSON PNG``.
+Run with the bench virtualenv's Python (it has matplotlib): ``python bench/plot.py RESULTS_JSON PNG [SWEEP_PNG]``.
 It imports nothing from the project, so the project's own environment needs no plotting libraries.
 """
 
@@ -65,9 +66,44 @@ def plot(results: dict[str, Any], output: Path) -> None:
     figure.savefig(output, dpi=110)
 
 
+SWEEP_SYSTEMS = ("envoy", "pd-extproc", "vllm-router")
+SWEEP_PANELS = (("chat", "added_p50_ms", "added p50 over direct decode (ms)"),
+                ("completions", "added_p50_ms", "added p50 over direct decode (ms)"),
+                ("chat", "cpu_us", "CPU per request, all proxy processes (µs)"),
+                ("completions", "cpu_us", "CPU per request, all proxy processes (µs)"))
+
+
+def plot_sweep(results: dict[str, Any], output: Path) -> None:
+    rows = results["summary"]["size_sweep"]["rows"]
+    figure, axes = plt.subplots(2, 2, figsize=(12, 9), sharex=True)
+    for axis, (kind, key, label) in zip(axes.flat, SWEEP_PANELS, strict=True):
+        for system in SWEEP_SYSTEMS:
+            name, colour, marker = SYSTEMS[system]
+            chosen = sorted((r for r in rows if r["kind"] == kind and r["system"] == system and r[key] is not None
+                             and r[key] > 0), key=lambda r: r["body_bytes"])
+            if chosen:
+                axis.plot([r["body_bytes"] / 1024 for r in chosen], [r[key] for r in chosen], label=name,
+                          color=colour, marker=marker)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks([1, 16, 256, 1024, 8192], ["1 KiB", "16 KiB", "256 KiB", "1 MiB", "8 MiB"])
+        axis.set_title(f"{kind}: {label}", fontsize=10)
+        axis.grid(True, which="both", alpha=0.3)
+    for axis in axes[1]:
+        axis.set_xlabel("request body (KiB)")
+    axes[0][0].legend(loc="upper left", fontsize=9)
+    figure.suptitle(f"pd-extproc cost by body size (cheap workers, c={results['options']['sweep_concurrency']}), "
+                    f"{results['started']} UTC", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+
+
 def main(argv: list[str]) -> int:
     results = json.loads(Path(argv[1]).read_text())
-    plot(results, Path(argv[2]))
+    if results["summary"].get("latency"):
+        plot(results, Path(argv[2]))
+    if len(argv) > 3 and results["summary"].get("size_sweep"):
+        plot_sweep(results, Path(argv[3]))
     return 0
 
 

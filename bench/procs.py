@@ -20,6 +20,25 @@ def cpu_seconds(pid: int) -> float:
     return (user_ticks + system_ticks) / _CLOCK_TICKS
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, its live descendants and the children it has reaped (cutime + cstime):
+    a server's own worker processes (the inspection pool, spawned on the first large body) count too."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # exited since it was listed
+        return 0.0
+    total = sum(int(value) for value in fields[11:15]) / _CLOCK_TICKS
+    return total + sum(tree_cpu_seconds(child) for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 def _status_kib(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):

@@ -13,7 +13,13 @@ Order of phases:
   5. a py-spy profile of our server under P/D load, and the per-stage CPU of one P/D request measured
      in-process against the cheap prefill worker (bench/stages.py);
   6. the 20 MiB body, at concurrency 1, a fixed number of requests per system and round;
-  7. one 20 MiB request sent in the middle of a run of small P/D requests (what it does to them).
+  7. one 20 MiB request sent in the middle of a run of small P/D requests (what it does to them);
+  8. the size sweep (cheap set): chat and completions bodies of SWEEP_SIZES through direct decode,
+     Envoy alone, pd-extproc and vllm-router, SWEEP_ROUNDS rounds in a rotated order, CPU counted over
+     each proxy's whole process tree (our inspection pool parses bodies over 16 KiB in its own
+     processes). With --size-sweep-only, phases 2-7 are skipped.
+With --profile-only (``make profile``): phase 1, a warm-up, and phase 5's py-spy profile alone, at
+profile_concurrency, written as a flame graph SVG (bench/flamegraph.py) beside results.json.
 A point measured while other processes used more than NOISE_THRESHOLD of the machine is measured
 again (at most NOISE_RETRIES times, within a run-wide RETRY_BUDGET, each retry after waiting up to
 QUIET_WAIT seconds for the machine to calm down) and the quietest attempt is kept; each point
@@ -31,11 +37,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import envoylog, inflight, loop_stall, machine, procs, profiling, sequential, serverlog, stages, verify, wrk
+from bench import (
+    envoylog,
+    flamegraph,
+    inflight,
+    loop_stall,
+    machine,
+    procs,
+    profiling,
+    sequential,
+    serverlog,
+    stages,
+    verify,
+    wrk,
+)
 from bench.envoy_plain import CEILING_PATH
 from bench.systems import HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
-from bench.workload import CHAT_PATH, chat_body, write_bodies
+from bench.workload import CHAT_PATH, SWEEP_KINDS, chat_body, sweep_body_name, write_bodies
 from pd_extproc_lab.emulator.worker import EmulatedWorker
 
 LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2",
@@ -43,6 +62,7 @@ LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
 LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
+SWEEP_SYSTEMS = ("direct", "envoy", "pd-extproc", "vllm-router")
 SLOW_SET = "emulated"  # the set whose workers can be scripted (in-flight memory, 20 MiB bodies)
 BESIDE_CONCURRENCY = 16
 SETTLE_SECONDS = 0.2  # lets requests wrk abandoned at the end of a run finish before counters are read
@@ -75,6 +95,12 @@ class Options:
     stage_repeats: int = 5
     py_spy: str = ""
     quiet_max_wait: float = 300.0
+    sweep_sizes: tuple[int, ...] = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 8 << 20)  # workload.SWEEP_SIZES
+    sweep_rounds: int = 3
+    sweep_seconds: int = 3
+    sweep_concurrency: int = 1
+    size_sweep_only: bool = False
+    profile_only: bool = False
 
 
 @dataclass
@@ -105,7 +131,7 @@ class Bench:
         self.options = options
         self.work_dir = work_dir
         self.log = log
-        self.bodies = write_bodies(work_dir)
+        self.bodies = write_bodies(work_dir, options.sweep_sizes)
         self._scripts: dict[tuple[str, str], Path] = {}
         self.quiet_budget_left = QUIET_BUDGET
         # Retries of noisy points, for the whole run: a machine that stays busy must not triple its length.
@@ -136,13 +162,15 @@ class Bench:
     def workers_of(self, system: System) -> WorkerSet:
         return self.fleet.sets[system.workers]
 
-    def measure(self, system: System, body: str, concurrency: int, load: Load) -> dict[str, Any]:
-        """One run of ``load`` against one system, with CPU, worker counters and machine load around it."""
+    def measure(self, system: System, body: str, concurrency: int, load: Load,
+                cpu: Callable[[int], float] = procs.cpu_seconds) -> dict[str, Any]:
+        """One run of ``load`` against one system, with CPU (``cpu`` of each process), worker counters and
+        machine load around it."""
         worker_set = self.workers_of(system)
         for worker in (worker_set.prefill, worker_set.decode):
             worker.reset()
         legs_before = LegCounters.read(worker_set.prefill, worker_set.decode)
-        cpu_before = {role: procs.cpu_seconds(pid) for role, pid in system.processes.items()}
+        cpu_before = {role: cpu(pid) for role, pid in system.processes.items()}
         load_before = machine.LoadSnapshot.take(self.all_pids())
         started, wall_start = time.monotonic(), time.time()
         result = load()
@@ -150,27 +178,28 @@ class Bench:
         time.sleep(SETTLE_SECONDS)
         wall = time.monotonic() - started
         load_after = machine.LoadSnapshot.take(self.all_pids())
-        cpu = {role: procs.cpu_seconds(pid) - cpu_before[role] for role, pid in system.processes.items()}
+        cpu_used = {role: cpu(pid) - cpu_before[role] for role, pid in system.processes.items()}
         legs = LegCounters.read(worker_set.prefill, worker_set.decode).minus(legs_before)
         handled = legs.prefill_leases_granted if system.pd else (
             legs.prefill_recomputed if system.name == "direct-prefill" else legs.decode_recomputed)
         return {
             "system": system.name, "workers": system.workers, "body": body, "concurrency": concurrency,
             **dataclasses.asdict(result), "rps": result.rps,
-            "proxy_cpu_seconds": cpu, "requests_handled": int(handled), "legs": legs.as_dict(),
+            "proxy_cpu_seconds": cpu_used, "requests_handled": int(handled), "legs": legs.as_dict(),
             "problems": verify.check_point(system, legs, result.requests, result.errors, concurrency),
             "foreign_cpu_share": load_after.foreign_share(load_before, wall),
             "wall_start": wall_start, "wall_end": wall_end,
         }
 
-    def measure_quietly(self, system: System, body: str, concurrency: int, load: Load) -> dict[str, Any]:
+    def measure_quietly(self, system: System, body: str, concurrency: int, load: Load,
+                        cpu: Callable[[int], float] = procs.cpu_seconds) -> dict[str, Any]:
         """``measure``, repeated while other processes were busy during it; the quietest attempt wins."""
-        attempts = [self.measure(system, body, concurrency, load)]
+        attempts = [self.measure(system, body, concurrency, load, cpu)]
         while (attempts[-1]["foreign_cpu_share"] > NOISE_THRESHOLD and len(attempts) <= NOISE_RETRIES
                and self.retries_left > 0):
             self.retries_left -= 1
             self.wait_for_quiet()
-            attempts.append(self.measure(system, body, concurrency, load))
+            attempts.append(self.measure(system, body, concurrency, load, cpu))
         best = min(attempts, key=lambda point: point["foreign_cpu_share"])
         best["attempts"] = len(attempts)
         return best
@@ -247,7 +276,8 @@ class Bench:
             for system in _rotated(self._systems(SLOW_SET, LARGE_BODY_SYSTEMS), round_index):
                 load = functools.partial(sequential.run, system.url, CHAT_PATH, body, system.headers,
                                          self.options.large_body_requests)
-                point = self.measure_quietly(system, "20MiB", 1, load)
+                # The whole process tree: our inspection pool's processes parse this body.
+                point = self.measure_quietly(system, "20MiB", 1, load, cpu=procs.tree_cpu_seconds)
                 point.update(phase="large-body", round=round_index)
                 run.points.append(point)
                 self._log_point(point)
@@ -266,6 +296,26 @@ class Bench:
             run.points.append(point)
             self._log_point(point)
             self.log(f"  the 20 MiB request beside it took {point['large_request_ms']:.0f} ms")
+
+    def size_sweep(self, run: Run) -> None:
+        """Cost by prompt size: each (kind, size) through every SWEEP_SYSTEMS system, rounds interleaved."""
+        concurrency, seconds = self.options.sweep_concurrency, self.options.sweep_seconds
+        systems = self._systems(HEADLINE, SWEEP_SYSTEMS)
+        for system in systems:  # the first large body starts our inspection pool: not inside a measurement
+            for kind, path in SWEEP_KINDS.items():
+                body = sweep_body_name(kind, max(self.options.sweep_sizes))
+                wrk.run(system.url + path, self.script(system, body), 1, self.options.warmup_seconds)
+        for round_index in range(self.options.sweep_rounds):
+            for size in self.options.sweep_sizes:
+                for kind, path in SWEEP_KINDS.items():
+                    body = sweep_body_name(kind, size)
+                    for system in _rotated(systems, round_index):
+                        script = self.script(system, body)
+                        load = functools.partial(wrk.run, system.url + path, script, concurrency, seconds)
+                        point = self.measure_quietly(system, body, concurrency, load, cpu=procs.tree_cpu_seconds)
+                        point.update(phase="size-sweep", round=round_index, kind=kind, body_bytes=size)
+                        run.points.append(point)
+                        self._log_point(point)
 
     def stage_budget(self, run: Run) -> None:
         """Our server's CPU per P/D request, stage by stage (bench/stages.py), in this process."""
@@ -297,6 +347,11 @@ class Bench:
         point.update(phase="profile", round=0)
         run.points.append(point)
         run.profile = dataclasses.asdict(profiling.summarise(raw, seconds))
+        if raw.exists():
+            svg = self.work_dir / "pd-extproc-profile.svg"
+            flamegraph.write(raw, svg, f"pd-extproc serve, non-streaming P/D at c={concurrency}, {seconds} s "
+                                       f"({point['rps']:.0f} req/s)")
+            run.profile["flamegraph"] = str(svg)
         self.log(f"profile: {run.profile['samples']} samples of pd-extproc serve at c={point['concurrency']}")
 
     def idle_rss(self, run: Run, label: str) -> None:
@@ -361,6 +416,13 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
     log(f"waited {waited:.0f}s for a quiet machine (other processes at {share:.0%})")
     try:
         bench.inspect_systems(run)
+        if options.size_sweep_only:
+            bench.size_sweep(run)
+            return
+        if options.profile_only:
+            bench.warm_up()
+            bench.profile_server(run)
+            return
         bench.idle_rss(run, "after start")
         slow = SLOW_SET in fleet.sets
         if slow:
@@ -376,6 +438,8 @@ def execute(fleet: Fleet, options: Options, work_dir: Path, run: Run, log: Calla
         if slow:
             bench.large_body_rounds(run)
             bench.large_body_beside_small(run)
+        if HEADLINE in fleet.sets:
+            bench.size_sweep(run)
         bench.idle_rss(run, "at the end")
     finally:  # also when a phase failed: keep the evidence gathered so far
         run.envoy_outcomes = {name: envoylog.outcomes(envoy.child.log_path) for name, envoy in fleet.envoys.items()}

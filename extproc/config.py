@@ -17,6 +17,7 @@ from typing import Any
 from extproc.adapters import KILL_SWITCH, engines, protocol_problem
 from extproc.adapters.base import Flow
 from extproc.core.prefill_policy import Rule, describe, parse_allow_list
+from extproc.cpus import auto_workers
 from extproc.settings_spec import (
     ENV_PREFIX,
     SettingSpec,
@@ -55,6 +56,16 @@ def _engine_defaults() -> dict[str, Any]:
 
 def _networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
     return tuple(ipaddress.ip_network(part.strip(), strict=True) for part in text.split(",") if part.strip())
+
+
+def _workers(text: str) -> int:
+    """A positive count, or ``auto``: resolved here, so everything after (supervisor, Envoy's cluster) sees N."""
+    if text.strip().lower() == "auto":
+        return auto_workers()
+    try:
+        return positive_int(text)
+    except ValueError:
+        raise ValueError("expected a positive integer or auto") from None
 
 
 def _show_networks(value: Any) -> str:
@@ -123,7 +134,8 @@ class Settings:
     max_inflight: int = setting(1024, positive_int, "in-flight P/D requests before 503 pd_overloaded (one limit "
                                 "across every worker process: with N workers it may be passed by at most N-1)")
     workers: int = setting(
-        1, positive_int, "server processes: 1 = one process (today's); N > 1 = a supervisor and N worker processes, "
+        1, _workers, "server processes: 1 = one process (today's); auto = the CPUs this process may use (the "
+        "cgroup CPU quota rounded up, else the cores it may run on); N > 1 = a supervisor and N worker processes, "
         "worker i on <grpc_listen>-i (Unix) or port + i (TCP), all in Envoy's ext_proc cluster (docs/workers.md)")
     metrics_listen: Address = setting(Address("0.0.0.0", 9190), lambda t: parse_address(t, allow_port_zero=True),
                                       "HTTP host:port for /metrics, /healthz and /readyz")
