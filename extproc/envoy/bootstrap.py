@@ -387,13 +387,14 @@ def render(settings: Settings) -> dict[str, Any]:
             "circuit_breakers": {"thresholds": [
                 {"max_connections": high, "max_pending_requests": high, "max_requests": high},
             ]},
-            # gRPC health: a draining or stopped server is taken out within two checks and P/D
+            # gRPC health: a draining or stopped server is taken out within three checks and P/D
             # requests fail fast with a JSON 503 (panic threshold 0: never "route to all hosts
-            # anyway"). Two failures, not one: a single slow answer under load must not eject the
-            # only server (measured: one ejection turned 65 in-flight requests into 503s).
+            # anyway"). A stopped server refuses the check at once; only a timeout waits. Three
+            # failures of 3 s, not two of 1 s: on a saturated machine the only server's answer was
+            # late twice in a row and every P/D request got 503 (docs/decisions.md, "Fail closed").
             "health_checks": [{
-                "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
-                "unhealthy_threshold": 2, "healthy_threshold": 1,
+                "timeout": "3s", "interval": "1s", "no_traffic_interval": "1s",
+                "unhealthy_threshold": 3, "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
             }],
             "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
