@@ -12,7 +12,6 @@ from collections.abc import Mapping
 
 from extproc.core import jsonspan
 from extproc.core.openai_request import ClientRequest, Endpoint
-from extproc.errors import Code, PdError
 
 _ONE = b"1"
 _FALSE = b"false"
@@ -49,14 +48,13 @@ def responses_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> by
 def generate_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> bytes:
     """Token-in generate (vllm scale_out/token_in_token_out/protocol.py GenerateRequest): the caps live
     in ``sampling_params`` (vLLM's SamplingParams, which refuses min_tokens above max_tokens), rewritten
-    member by member like the body."""
+    member by member like the body (openai_request.NESTED_REWRITES)."""
     key, params = producer
     sampling_raw = jsonspan.member_value(request.raw, request.members, "sampling_params")
     assert sampling_raw is not None  # gen_apis.check_generate requires an object
-    try:
-        spans = jsonspan.unique_members(sampling_raw)
-    except jsonspan.RepeatedKey:  # as for the body: refused rather than guess which copy the engine reads
-        raise PdError(Code.INVALID_REQUEST_BODY) from None
+    # Found, each key once, with the body's checks (off the event loop for a large body): a long stop
+    # list scanned here would stall every stream.
+    spans = request.nested["sampling_params"]
     sampling = _rewrite(sampling_raw, spans, {"max_tokens": _ONE, "min_tokens": None})
     return _rewrite(request.raw, request.members, {
         "stream": _FALSE, "stream_options": None, "sampling_params": sampling, key: params})

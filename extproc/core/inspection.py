@@ -38,6 +38,7 @@ class Inspected:
     members: tuple[jsonspan.Member, ...]
     kept: dict[str, Any]
     unsupported: str | None
+    nested: dict[str, tuple[jsonspan.Member, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ def inspect(path: str, content_type: str | None, raw: bytes, rules: Rules) -> In
     refuse_steering(request.body, rules.own_fields)
     kept = {member.name: request.body[member.name] for member in request.members
             if member.end - member.value_start <= KEPT_VALUE_BYTES}
-    return Inspected(request.endpoint, request.members, kept, request.unsupported)
+    return Inspected(request.endpoint, request.members, kept, request.unsupported, dict(request.nested))
 
 
 def inspect_answer(path: str, content_type: str | None, raw: bytes, rules: Rules) -> Inspected | Refusal:
@@ -74,4 +75,4 @@ def inspect_answer(path: str, content_type: str | None, raw: bytes, rules: Rules
 
 def client_request(path: str, raw: bytes, inspected: Inspected) -> ClientRequest:
     return ClientRequest(endpoint=inspected.endpoint, path=path, raw=raw, body=inspected.kept,
-                         members=inspected.members, unsupported=inspected.unsupported)
+                         members=inspected.members, unsupported=inspected.unsupported, nested=inspected.nested)

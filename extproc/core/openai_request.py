@@ -6,7 +6,8 @@ them verbatim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -50,6 +51,9 @@ class ClientRequest:
     # The field that selects a variant P/D cannot serve as sent (n other than 1, a batch of prompts):
     # refused, or with PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated served whole by the decode worker.
     unsupported: str | None = None
+    # The member spans of a nested object the prefill body rewrites member by member (NESTED_REWRITES),
+    # relative to that member's value: found with the body's checks, so off the event loop for a large body.
+    nested: Mapping[str, tuple[jsonspan.Member, ...]] = field(default_factory=dict)
 
     @property
     def stream(self) -> bool:
@@ -110,11 +114,33 @@ def parse_client_request(path: str, content_type: str | None, raw: bytes, max_by
         raise PdError(Code.INVALID_REQUEST_BODY) from None
     if len(members) > MAX_MEMBERS:
         raise PdError(Code.INVALID_REQUEST_BODY)
+    unsupported = _check_fields(endpoint, body)
     request = ClientRequest(endpoint=endpoint, path=path, raw=raw, body=body, members=tuple(members),
-                            unsupported=_check_fields(endpoint, body))
+                            unsupported=unsupported, nested=_nested_spans(endpoint, raw, members))
     if not allow_unsupported:
         refuse_unsupported(request)
     return request
+
+
+# The nested objects whose members a derived prefill body rewrites, per endpoint (vLLM's generate API keeps
+# its caps in ``sampling_params``: adapters/vllm_apis.py).
+NESTED_REWRITES: Mapping[Endpoint, tuple[str, ...]] = {Endpoint.GENERATE: ("sampling_params",)}
+
+
+def _nested_spans(endpoint: Endpoint, raw: bytes,
+                  members: list[jsonspan.Member]) -> dict[str, tuple[jsonspan.Member, ...]]:
+    """The spans of each NESTED_REWRITES object present, each key once (a repeated one is refused as in the
+    body: we do not guess which copy the engine reads)."""
+    spans = {}
+    for name in NESTED_REWRITES.get(endpoint, ()):
+        value = jsonspan.member_value(raw, members, name)
+        if value is None or not value.lstrip().startswith(b"{"):
+            continue
+        try:
+            spans[name] = tuple(jsonspan.unique_members(value))
+        except jsonspan.RepeatedKey:
+            raise PdError(Code.INVALID_REQUEST_BODY) from None
+    return spans
 
 
 def refuse_unsupported(request: ClientRequest) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from extproc.adapters import vllm_apis
 from extproc.adapters.base import PlanInput
 from extproc.adapters.sglang import SglangAdapter, check_prefill_reply
 from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_body
@@ -130,11 +131,25 @@ def test_state_on_a_worker_and_several_answers_are_unsupported_variants(path: st
 
 
 def test_a_duplicate_key_inside_sampling_params_is_refused_not_guessed() -> None:
-    client = request("/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"max_tokens": 4, '
-                                               b'"max_tokens": 9}}')
-    with pytest.raises(PdError) as caught:
-        prefill_body(client)
-    assert caught.value.code is Code.INVALID_REQUEST_BODY
+    """Refused with the body's checks, before any leg (in a worker process for a large body)."""
+    error = refused("/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"max_tokens": 4, '
+                                              b'"max_tokens": 9}}')
+    assert error.code is Code.INVALID_REQUEST_BODY
+
+
+def test_the_generate_prefill_body_reuses_the_spans_the_inspection_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sampling_params is scanned once, with the body's checks (off the event loop for a large body): a
+    stop list of a million strings scanned again while the prefill body is built stalled every stream."""
+    client = request("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"stop": ["x"] * 1000,
+                                                                                      "max_tokens": 9}})
+    assert [m.name for m in client.nested["sampling_params"]] == ["stop", "max_tokens"]
+
+    def no_second_scan(raw: bytes) -> None:
+        raise AssertionError("sampling_params scanned again on the event loop")
+
+    monkeypatch.setattr(vllm_apis.jsonspan, "unique_members", no_second_scan)
+    body = json.loads(prefill_body(client))
+    assert body["sampling_params"] == {"stop": ["x"] * 1000, "max_tokens": 1}
 
 
 def test_the_new_paths_are_not_served_unless_the_adapter_lists_them() -> None:
