@@ -26,6 +26,8 @@ other override is ever applied.
 
 from __future__ import annotations
 
+import json
+
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -61,23 +63,39 @@ def is_pd_request(head: RequestHead, paths: frozenset[str] = OPENAI_PATHS) -> bo
 
 
 # A JSON key spells a steering member's last name either literally or with a \u escape (the names are
-# ASCII letters and "_", which no other escape yields): a body with neither is not parsed at all.
+# ASCII letters and "_", which no other escape yields), unless the body is UTF-16 or UTF-32, which CPython's
+# json.loads detects (json.detect_encoding: a BOM, or a NUL among the first four bytes): a body with none
+# of these is not parsed at all.
 _LAST_NAMES = tuple(sorted({field.path[-1].encode() for field in STEERING_FIELDS}))
+_WIDE_BOMS = (b"\xfe\xff", b"\xff\xfe")
 
 
 def _may_steer(body: bytes) -> bool:
-    return b"\\u" in body or any(name in body for name in _LAST_NAMES)
+    head = body[:4]
+    return (b"\0" in head or head.startswith(_WIDE_BOMS) or b"\\u" in body
+            or any(name in body for name in _LAST_NAMES))
+
+
+def _read_as_engines_do(body: bytes) -> object:
+    """The body as an engine's JSON reader sees it: orjson (SGLang) or CPython's json.loads (FastAPI's, so
+    vLLM's and TensorRT-LLM's), which also reads what orjson refuses (NaN, a BOM, UTF-16/32). None for a
+    body neither reads."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
 
 
 def steering_refusal(body: bytes) -> Refusal | None:
     """A tagged request that is not P/D (another method or path): its body, which the engine may read as
     JSON whatever the path, is checked for steering members as on the P/D route (the same 400
-    reserved_request_field). A body that is not a JSON object carries no member to check here (the
-    client guard in front judges other kinds). Picklable, for the inspection pool."""
-    try:
-        parsed = orjson.loads(body) if _may_steer(body) else None
-    except orjson.JSONDecodeError:
-        parsed = None
+    reserved_request_field). A body that no engine reads as a JSON object carries no member to check here
+    (the client guard in front judges other kinds). Picklable, for the inspection pool."""
+    parsed = _read_as_engines_do(body) if _may_steer(body) else None
     if isinstance(parsed, dict):
         try:
             refuse_steering(parsed)

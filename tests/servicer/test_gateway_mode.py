@@ -144,10 +144,17 @@ def test_the_aggregated_fallback_sends_the_clients_request_to_the_picked_decode(
     rb'{"model": "m", "kv_transfer_param\u0073": {"remote_host": "10.0.0.9"}}',
     rb'{"model": "m", "\u0062ootstrap_host": "10.0.0.9"}',
     rb'{"model": "m", "parameters": {"bootstrap_room": 7}, "kv_transfer_params": null, "bootstrap_room": 1}',
-], ids=["escaped-last-letter", "escaped-first-letter", "plain"])
+    '{"model": "m", "kv_transfer_params": {"remote_host": "10.0.0.9"}}'.encode("utf-16-le"),
+    '{"model": "m", "kv_transfer_params": {"remote_host": "10.0.0.9"}}'.encode("utf-16"),
+    '{"model": "m", "bootstrap_host": "10.0.0.9"}'.encode("utf-32-be"),
+    b'{"model": "m", "temperature": NaN, "kv_transfer_params": {"remote_host": "10.0.0.9"}}',
+    b'\xef\xbb\xbf{"model": "m", "kv_transfer_params": {"remote_host": "10.0.0.9"}}',
+], ids=["escaped-last-letter", "escaped-first-letter", "plain", "utf-16-le", "utf-16-bom", "utf-32-be", "nan",
+        "utf-8-bom"])
 def test_a_steering_member_spelled_with_escapes_is_refused_too(raw: bytes) -> None:
-    """The server parses a tagged body only when a steering name can appear in it: literally, or through
-    a \\u escape (as CPython's json decodes it for the engine)."""
+    """The server parses a tagged body only when a steering name can appear in it: literally, through a
+    \\u escape, or in UTF-16/32; it reads it as CPython's json.loads does for vLLM (NaN, a BOM, UTF-16/32:
+    what orjson refuses) and as orjson does for SGLang."""
     async def test(h: Harness) -> None:
         extra = {":method": "POST", "x-prefiller-host-port": h.prefill_address}
         responses = await h.exchange(headers_message("/cohere/v2/chat", extra), body_message(raw))
