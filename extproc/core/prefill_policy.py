@@ -42,6 +42,10 @@ METADATA: tuple[tuple[IPAddress, str], ...] = tuple((ipaddress.ip_address(addres
     ("fd00:ec2::123", "AWS time sync over IPv6 (same page)"),
     ("100.100.100.200", "Alibaba Cloud ECS instance metadata (Alibaba Cloud ECS docs, Instance metadata)"),
     ("168.63.129.16", "Azure WireServer (Microsoft Learn, 'What is IP address 168.63.129.16?')"),
+    ("169.254.170.23", "Amazon EKS Pod Identity Agent (Amazon EKS User Guide, 'EKS Pod Identity')"),
+    ("fd00:ec2::23", "Amazon EKS Pod Identity Agent over IPv6 (same page)"),
+    ("fd20:ce::254", "Google Compute Engine metadata server over IPv6 (Compute Engine docs, 'About VM metadata')"),
+    ("fd00:42::42", "Scaleway instance metadata over IPv6 (Scaleway docs, Instances metadata API)"),
 ))
 _METADATA_ADDRESSES = frozenset(address for address, _ in METADATA)
 
