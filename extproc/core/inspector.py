@@ -14,6 +14,8 @@ import functools
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -42,6 +44,22 @@ def pool_size(max_inflight: int, processes: int = 1) -> int:
     requests it admits at once, or than POOL_MAX."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(max_inflight, cpus // max(1, processes), POOL_MAX))
+
+
+# How often a pool worker looks whether its server is still there.
+PARENT_WATCH_SECONDS = 1.0
+
+
+def exit_with_parent(parent: int) -> None:
+    """Pool worker initializer: a worker whose server died (SIGKILL, the OOM killer) exits too. It would
+    not notice otherwise (each worker holds its own end of the pool's call queue, so it never reads EOF)
+    and would live on as an orphan holding memory and the server's stdout and stderr."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_WATCH_SECONDS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class Inspector:
@@ -100,7 +118,8 @@ class Inspector:
 
     def _running_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=exit_with_parent, initargs=(os.getpid(),))
         return self._pool
 
     def close(self) -> None:

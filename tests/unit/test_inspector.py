@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import subprocess
+import sys
 
 import orjson
 import pytest
@@ -17,6 +19,7 @@ from extproc.core.openai_request import MAX_MEMBERS, ClientRequest
 from extproc.errors import Code, PdError
 from extproc.units import Address
 from extproc.upstream.decode_target import DecodeTarget, Unresolvable
+from tests.helpers import eventually
 
 CHAT = "/v1/chat/completions"
 RULES = Rules(1 << 20, (ReservedField("kv_transfer_params", (None, {})),), frozenset({"kv_transfer_params"}))
@@ -147,3 +150,38 @@ def test_the_pool_is_bounded_by_the_cap_the_cpus_and_pool_max(monkeypatch: pytes
     assert pool_size(1) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert pool_size(1024, processes=2) == 1
+
+
+_KILLED_SERVER = """
+import asyncio, multiprocessing, os, signal
+from extproc.core.inspection import Rules
+from extproc.core.inspector import Inspector
+
+async def main() -> None:
+    inspector = Inspector(Rules(1 << 20), inline_max_bytes=0)
+    await inspector.inspect("/v1/chat/completions", "application/json", b'{"messages": [{"role": "user"}]}')
+    print(" ".join(str(child.pid) for child in multiprocessing.active_children()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_pool_worker_exits_when_its_server_is_killed() -> None:
+    """SIGKILL gives the server no chance to stop its pool: the workers notice their parent is gone and
+    exit, instead of living on as orphans that hold memory and the server's stdout (a test harness
+    reading that stdout never saw its end)."""
+    server = subprocess.run([sys.executable, "-c", _KILLED_SERVER], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert server.returncode == -9, server.stderr
+    workers = [int(pid) for pid in server.stdout.split() if pid.isdigit()]
+    assert workers, server.stdout
+    assert eventually(lambda: not any(_running(pid) for pid in workers), within=30), workers
