@@ -17,7 +17,8 @@ Deliberate limits: ``n`` other than 1 and completion batches are refused before 
 (openai_request.py), so the three fields are always scalars; a client-supplied bootstrap field is
 refused as a reserved field (it would point decode at a host of the client's choosing);
 ``bootstrap_host`` is the address the processor resolved and checked against the prefill policy
-(never a name the decode engine would resolve again); neither leg is retried.
+(never a name the decode engine would resolve again); neither leg is retried (but for the
+transport's resend on a stale reused connection).
 """
 
 from __future__ import annotations

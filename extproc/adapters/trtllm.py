@@ -18,8 +18,8 @@ What trtllm-serve's own disaggregated server does, from its source (PROTOCOL.md 
 
 Deliberate limits: no "generation first" schedule and no conditional disaggregation; a
 client-supplied ``disaggregated_params`` (or ``x-trtllm-disagg-auth``) is refused (stripped);
-neither leg is retried. The params are forwarded as the context worker wrote them, only
-``request_type`` changes.
+neither leg is retried (but for the transport's resend on a stale reused connection). The params
+are forwarded as the context worker wrote them, only ``request_type`` changes.
 """
 
 from __future__ import annotations

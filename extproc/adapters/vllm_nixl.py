@@ -5,7 +5,8 @@
     validate the handoff ──► client request + handoff verbatim ──► local decode worker (kv_consumer)
 
 The field contract, the fixtures and the upgrade checklist are in PROTOCOL.md ("vllm_nixl").
-Deliberate limits: neither leg is retried; ``n`` other than 1 is refused before any leg
+Deliberate limits: neither leg is retried (the transport resends a prefill request only when a reused
+connection closed before any answer); ``n`` other than 1 is refused before any leg
 (openai_request.py) and so is a client-supplied ``kv_transfer_params`` (a reserved field); the
 handoff's remote_host/remote_port are connector side-channel data and never an HTTP destination.
 """

@@ -20,6 +20,9 @@ from extproc.errors import Code, PdError, Problem
 
 # A member kept parsed; with MAX_MEMBERS this bounds what a worker's answer costs to unpickle on the loop.
 KEPT_VALUE_BYTES = 1 << 10
+# The flags an adapter reads from a member whose value is larger (a client may pad it): kept alone
+# (trtllm reads stream_options.include_usage for its direct answer's usage chunk).
+KEPT_FLAGS = {"stream_options": ("include_usage", "continuous_usage_stats")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +63,14 @@ def inspect(path: str, content_type: str | None, raw: bytes, rules: Rules) -> In
                                    served=rules.served)
     refuse_reserved(request.body, rules.reserved)
     refuse_steering(request.body, rules.own_fields)
-    kept = {member.name: request.body[member.name] for member in request.members
-            if member.end - member.value_start <= KEPT_VALUE_BYTES}
+    kept = {}
+    for member in request.members:
+        value = request.body[member.name]
+        if member.end - member.value_start <= KEPT_VALUE_BYTES:
+            kept[member.name] = value
+        elif member.name in KEPT_FLAGS and isinstance(value, dict):
+            kept[member.name] = {flag: value[flag] for flag in KEPT_FLAGS[member.name]
+                                 if isinstance(value.get(flag), bool)}
     return Inspected(request.endpoint, request.members, kept, request.unsupported, dict(request.nested))
 
 

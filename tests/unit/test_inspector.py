@@ -185,3 +185,13 @@ def test_a_pool_worker_exits_when_its_server_is_killed() -> None:
     workers = [int(pid) for pid in server.stdout.split() if pid.isdigit()]
     assert workers, server.stdout
     assert eventually(lambda: not any(_running(pid) for pid in workers), within=30), workers
+
+
+def test_the_stream_flags_are_kept_when_the_client_pads_stream_options() -> None:
+    """Large values are not sent back from a worker, but an adapter reads stream_options.include_usage
+    (trtllm's usage chunk): a padded stream_options keeps its flags, inline and in the pool alike."""
+    body = {"messages": [{"role": "user", "content": PAD}], "stream": True,
+            "stream_options": {"include_usage": True, "padding": "x" * (2 * KEPT_VALUE_BYTES)}}
+    inline, pooled = asyncio.run(both(orjson.dumps(body)))
+    assert isinstance(inline, ClientRequest) and isinstance(pooled, ClientRequest)
+    assert inline.body["stream_options"] == pooled.body["stream_options"] == {"include_usage": True}
