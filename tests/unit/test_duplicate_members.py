@@ -19,7 +19,17 @@ from extproc.adapters.vllm_nixl import PROTOCOL_0_33, RULES, VllmNixlAdapter
 from extproc.core.processor import Pending
 from extproc.errors import PdError
 from extproc.upstream.transport import WorkerReply
-from tests.unit.test_processor import CHAT_BODY, DECODE, HANDOFF, background_failures, error_code, head, rig
+from tests.unit.test_processor import (
+    CHAT_BODY,
+    DECODE,
+    HANDOFF,
+    background_failures,
+    decode_answers_once_aborted,
+    error_code,
+    head,
+    rig,
+    start_background,
+)
 from tests.unit.test_trtllm import CONTEXT, PARAMS
 from tests.unit.test_vllm_nixl import HANDOFF as FULL_HANDOFF
 
@@ -157,17 +167,8 @@ def test_sglang_a_second_copy_of_a_read_field_fails_the_prefill_and_aborts_decod
     async def run() -> None:
         r = rig(SglangAdapter())
         r.transport.answers.append(reply(answer))
-        request_head = head()
-        pending = await r.processor.on_headers(request_head)
-        assert isinstance(pending, Pending)
-        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        handle = outcome.background
-        assert handle is not None
-
-        async def abort_ends_decode() -> WorkerReply:  # decode answers its 500 once aborted
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
-                r.processor.on_decode_answer(handle, 500)))
-            return WorkerReply(200, "text/plain", b"")
+        handle = await start_background(r)
+        abort_ends_decode = decode_answers_once_aborted(r, handle)
 
         r.transport.answers.append(abort_ends_decode)
         await handle.task

@@ -19,7 +19,7 @@ from extproc.adapters.base import Adapter
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefills
+from extproc.core.background import BackgroundPrefill, BackgroundPrefills
 from extproc.core.processor import BodyOutcome, PdProcessor, Pending
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
@@ -128,6 +128,26 @@ async def start(r: Rig, body: dict[str, Any]) -> tuple[msg.RequestHead, Pending]
     pending = await r.processor.on_headers(request_head)
     assert isinstance(pending, Pending)
     return request_head, pending
+
+
+async def start_background(r: Rig, body: dict[str, Any] = CHAT_BODY) -> BackgroundPrefill:
+    """A P/D request on a concurrent (SGLang) flow, up to its background prefill's handle."""
+    request_head, pending = await start(r, body)
+    outcome = await r.processor.on_body(request_head, pending, json.dumps(body).encode())
+    assert outcome.background is not None
+    return outcome.background
+
+
+def decode_answers_once_aborted(r: Rig, handle: BackgroundPrefill,
+                                status: int = 500) -> Callable[[], Awaitable[WorkerReply]]:
+    """The transport's answer to the decode abort: 200, after which decode answers ``status``, as
+    SGLang's decode does for an aborted request."""
+    async def abort_ends_decode() -> WorkerReply:
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
+            r.processor.on_decode_answer(handle, status)))
+        return WorkerReply(200, "text/plain", b"")
+
+    return abort_ends_decode
 
 
 def error_code(response: pb.ProcessingResponse) -> str:

@@ -18,7 +18,19 @@ from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 from extproc.core.processor import Pending
 from extproc.upstream.transport import WorkerReply
-from tests.unit.test_processor import CHAT_BODY, DECODE, HANDOFF, Rig, background_failures, error_code, head, ok, rig
+from tests.unit.test_processor import (
+    CHAT_BODY,
+    DECODE,
+    HANDOFF,
+    Rig,
+    background_failures,
+    decode_answers_once_aborted,
+    error_code,
+    head,
+    ok,
+    rig,
+    start_background,
+)
 
 
 @dataclass
@@ -120,17 +132,8 @@ def test_a_bug_in_the_background_prefill_aborts_decode_and_is_the_clients_answer
         r, tracing = traced(adapter)
         r.transport.answers.append(bug if phase == "prefill-call"
                                    else ok({"id": "x", "choices": [{"index": 0, "finish_reason": "length"}]}))
-        request_head = head()
-        pending = await r.processor.on_headers(request_head)
-        assert isinstance(pending, Pending)
-        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        handle = outcome.background
-        assert handle is not None
-
-        async def abort_ends_decode() -> WorkerReply:  # decode answers its 500 once aborted
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
-                r.processor.on_decode_answer(handle, 500)))
-            return WorkerReply(200, "text/plain", b"")
+        handle = await start_background(r)
+        abort_ends_decode = decode_answers_once_aborted(r, handle)
 
         r.transport.answers.append(abort_ends_decode)
         with caplog.at_level(logging.ERROR, "extproc.request"):
@@ -152,17 +155,8 @@ def test_a_bug_while_aborting_decode_does_not_stop_the_next_abort(caplog: pytest
     async def run() -> None:
         r, tracing = traced(SglangAdapter())
         r.transport.answers.append(WorkerReply(503, "application/json", b""))
-        request_head = head()
-        pending = await r.processor.on_headers(request_head)
-        assert isinstance(pending, Pending)
-        outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        handle = outcome.background
-        assert handle is not None
-
-        async def abort_ends_decode() -> WorkerReply:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
-                r.processor.on_decode_answer(handle, 500)))
-            return WorkerReply(200, "text/plain", b"")
+        handle = await start_background(r)
+        abort_ends_decode = decode_answers_once_aborted(r, handle)
 
         r.transport.answers.extend([bug, abort_ends_decode])
         with caplog.at_level(logging.ERROR, "extproc.request"):
