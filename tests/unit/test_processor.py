@@ -60,7 +60,7 @@ class FakeTransport:
         if self.resolve_error is not None:
             raise self.resolve_error
         assert target.ip is not None
-        return ResolvedTarget(target, target.ip)
+        return ResolvedTarget(target, target.ip, tls=False)
 
     async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
                    record: RequestRecord | None = None, bounds: Bounds | None = None) -> WorkerReply:
