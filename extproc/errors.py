@@ -46,7 +46,7 @@ class Code(StrEnum):
     PREFILL_RESPONSE_TRUNCATED = "prefill_response_truncated"
     PREFILL_RESPONSE_STREAMED = "prefill_response_streamed"
     INVALID_PREFILL_HANDOFF = "invalid_prefill_handoff"
-    # Envoy's own local replies, shaped by local_reply_config (envoy_config.py).
+    # Envoy's own local replies, shaped by local_reply_config (envoy/bootstrap.py).
     REQUEST_TIMEOUT = "request_timeout"
     PD_EXTPROC_UNAVAILABLE = "pd_extproc_unavailable"
     PD_EXTPROC_TIMEOUT = "pd_extproc_timeout"

@@ -3,7 +3,8 @@
 An engine outside this package (a ``pd_extproc.engines`` entry point naming an ``Engine``) imports from
 here only, so the package's own layout can change without breaking it. Its emulator, if it has one,
 imports from ``pd_extproc_lab.plugin``. tests/plugin_engine/toy_engine.py is a whole engine written
-against these two modules.
+against these two modules. ``FakeTransport`` stands in for the workers in an engine's own tests: the
+processor's transport, answered from a script, every call recorded.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from extproc.settings_spec import (
     read_token_file,
     text_value,
 )
+from extproc.upstream.fake_transport import FakeTransport, RecordedCall, ScriptedAnswer
 from extproc.upstream.transport import WorkerAddress, WorkerReply
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "Demo",
     "Endpoint",
     "Engine",
+    "FakeTransport",
     "FieldRule",
     "FieldRules",
     "Flow",
@@ -78,7 +81,9 @@ __all__ = [
     "PlanInput",
     "Problem",
     "QueueGauges",
+    "RecordedCall",
     "ReservedField",
+    "ScriptedAnswer",
     "SecretFileError",
     "SequentialAdapter",
     "ServerInfo",

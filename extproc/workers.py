@@ -111,7 +111,6 @@ class SharedAdmission(Admission):
             self.inflight -= 1
             self.block.slots[self.index] = self.inflight
             raise PdError(Code.PD_OVERLOADED)
-        self.idle.clear()
 
     def leave(self) -> None:
         super().leave()

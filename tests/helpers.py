@@ -12,10 +12,13 @@ from typing import Any
 
 import httpx
 
+from extproc.observability.metrics import SERVED_OUTCOMES
 from tests.harness import Stack
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# What the operator's error-ratio queries and alerts must exclude: a served or a cancelled request.
+NOT_ERROR_OUTCOMES = SERVED_OUTCOMES | {"cancelled"}
 
 
 def chat_body(**extra: Any) -> dict[str, Any]:

@@ -71,10 +71,6 @@ def protocol_problem(adapter: str, protocol: str) -> str | None:
     return None
 
 
-def default_pin(adapter: str) -> str:
-    return engines()[adapter].pins[0]
-
-
 def build_adapter(adapter: str, protocol: str, options: Options) -> Adapter | Disabled:
     """The adapter for a validated setting pair; ``Disabled`` for the ``none`` kill switch. ``options``
     holds the engines' own settings by name (defaults where unset)."""

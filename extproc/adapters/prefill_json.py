@@ -17,7 +17,7 @@ _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 def upstream_status_error(status: int, content_type: str | None = None, body: bytes = b"") -> PdError:
     """A non-200 prefill answer. The client's status: 4xx and 5xx keep their exact value (so the class
     is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502. The engine's own error about
-    the request (upstream_error.py) is relayed."""
+    the request (core/relayed_error.py) is relayed."""
     return PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502,
                    upstream_status=status, relayed=relayable_error(status, content_type, body))
 

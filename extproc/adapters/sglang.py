@@ -41,8 +41,9 @@ from extproc.adapters.base import (
     QueueGauges,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.adapters.prefill_request import one_token_unstreamed
 from extproc.core import jsonspan
-from extproc.core.fields import ReservedField, handoff_error, handoff_members, is_port
+from extproc.core.fields import ReservedField, handoff_error, handoff_members, is_port, set_members
 from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
 from extproc.errors import Problem
 from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
@@ -73,7 +74,6 @@ DEFAULT_PREFILL_DEADLINE = ENGINE_TIMEOUT + 30.0
 # bootstrap_room is stored in an int64/uint64 metadata buffer on both engines; 0 there means "no
 # metadata landed yet", so a room of 0 would never complete. Rooms are 1 <= room < 2**63.
 ROOM_LIMIT = 1 << 63
-_FALSE = b"false"
 
 
 def room_from_nonce(nonce: int) -> int:
@@ -113,14 +113,13 @@ def _without_client_bootstrap() -> dict[str, bytes | None]:
 
 def prefill_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> bytes:
     """The client's body with the bootstrap fields, as one JSON response (its result is only checked)."""
-    replace = {**_without_client_bootstrap(), "stream": _FALSE, "stream_options": None}
-    append = [] if any(m.name == "stream" for m in request.members) else [("stream", _FALSE)]
-    return jsonspan.rebuild(request.raw, request.members, replace, [*append, *bootstrap])
+    return set_members(request.raw, request.members, {**_without_client_bootstrap(), **one_token_unstreamed()},
+                       last=bootstrap)
 
 
 def decode_body(request: ClientRequest, bootstrap: list[tuple[str, bytes]]) -> bytes:
     """The client's body, byte for byte, plus the bootstrap fields."""
-    return jsonspan.rebuild(request.raw, request.members, _without_client_bootstrap(), bootstrap)
+    return set_members(request.raw, request.members, _without_client_bootstrap(), last=bootstrap)
 
 
 def check_prefill_reply(reply: WorkerReply) -> None:

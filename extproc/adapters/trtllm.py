@@ -48,6 +48,7 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_object
+from extproc.adapters.prefill_request import one_token_unstreamed
 from extproc.core import jsonspan
 from extproc.core.fields import (
     FieldRule,
@@ -83,8 +84,6 @@ NEEDS_GENERATION = ("length", "not_finished")  # _need_gen: any other finish_rea
 # The request models' token limits: chat declares one field, max_completion_tokens, with the validation
 # alias max_tokens (populate_by_name: either name, never both); completions know max_tokens only.
 TOKEN_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
-_ONE = b"1"
-_FALSE = b"false"
 _GENERATION_ONLY = b'"generation_only"'
 
 
@@ -128,9 +127,7 @@ def context_body(request: ClientRequest, nonce: int) -> bytes:
     params = orjson.dumps({"request_type": "context_only", "disagg_request_id": disagg_request_id(nonce)})
     present = {m.name for m in request.members}
     limits = [name for name in TOKEN_LIMIT_KEYS if name in present] or ["max_tokens"]
-    values: dict[str, bytes | None] = {KEY: params, "stream": _FALSE, "stream_options": None}
-    values.update((name, _ONE) for name in limits)
-    return set_members(request.raw, request.members, values)
+    return set_members(request.raw, request.members, {KEY: params, **one_token_unstreamed(limits)})
 
 
 def _prompt_token_ids(value: object) -> bool:

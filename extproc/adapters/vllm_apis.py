@@ -8,22 +8,10 @@ producer request. Every other member keeps its bytes. The rules and their source
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
+from extproc.adapters.prefill_request import JSON_FALSE, JSON_ONE, one_token_unstreamed
 from extproc.core import jsonspan
+from extproc.core.fields import set_members
 from extproc.core.openai_request import ClientRequest, Endpoint
-
-_ONE = b"1"
-_FALSE = b"false"
-
-
-def _rewrite(raw: bytes, spans: list[jsonspan.Member] | tuple[jsonspan.Member, ...],
-             values: Mapping[str, bytes | None]) -> bytes:
-    """``raw`` with each named member set (in place where present, appended in ``values``' order where
-    absent) or dropped (None)."""
-    present = {member.name for member in spans}
-    append = [(name, value) for name, value in values.items() if name not in present and value is not None]
-    return jsonspan.rebuild(raw, spans, values, append)
 
 
 def messages_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> bytes:
@@ -31,7 +19,8 @@ def messages_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> byt
     only cap (serving.py maps it to both chat caps itself) and ``validate_thinking_budget`` skips a
     producer request, so a thinking budget above 1 is accepted."""
     key, params = producer
-    return _rewrite(request.raw, request.members, {"stream": _FALSE, "max_tokens": _ONE, key: params})
+    return set_members(request.raw, request.members, {
+        **one_token_unstreamed(["max_tokens"], drop_stream_options=False), key: params})
 
 
 def responses_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> bytes:
@@ -40,9 +29,8 @@ def responses_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> by
     and its input messages on the prefill worker (with VLLM_ENABLE_RESPONSES_API_STORE), so the prefill
     leg says ``store: false``; ``background`` is false (a background request is refused earlier)."""
     key, params = producer
-    return _rewrite(request.raw, request.members, {
-        "stream": _FALSE, "stream_options": None, "max_output_tokens": _ONE, "store": _FALSE, "background": None,
-        key: params})
+    return set_members(request.raw, request.members, {
+        **one_token_unstreamed(["max_output_tokens"]), "store": JSON_FALSE, "background": None, key: params})
 
 
 def generate_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> bytes:
@@ -55,9 +43,9 @@ def generate_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> byt
     # Found, each key once, with the body's checks (off the event loop for a large body): a long stop
     # list scanned here would stall every stream.
     spans = request.nested["sampling_params"]
-    sampling = _rewrite(sampling_raw, spans, {"max_tokens": _ONE, "min_tokens": None})
-    return _rewrite(request.raw, request.members, {
-        "stream": _FALSE, "stream_options": None, "sampling_params": sampling, key: params})
+    sampling = set_members(sampling_raw, spans, {"max_tokens": JSON_ONE, "min_tokens": None})
+    return set_members(request.raw, request.members, {
+        **one_token_unstreamed(), "sampling_params": sampling, key: params})
 
 
 PREFILLS = {Endpoint.MESSAGES: messages_prefill, Endpoint.RESPONSES: responses_prefill,

@@ -28,12 +28,13 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.adapters.prefill_json import parse_prefill_member
+from extproc.adapters.prefill_request import one_token_unstreamed
 from extproc.adapters.vllm_apis import PREFILLS
-from extproc.core import jsonspan
 from extproc.core.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
+    all_ints,
     equals,
     handoff_members,
     int_at_least,
@@ -58,17 +59,13 @@ PRODUCER_PARAMS = orjson.dumps({
     "remote_host": None,
     "remote_port": None,
 })
-_ONE = b"1"
-_FALSE = b"false"
 # Fields that only make sense when tokens are generated; vLLM rejects min_tokens > max_tokens.
-_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+_PREFILL_DROPPED = ("min_tokens", "min_completion_tokens")
 
 
 def _null_or_number(value: object) -> bool:
     return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
-
-_INT_ONLY = frozenset({int})
 
 
 def _block_groups(value: object) -> bool:
@@ -79,7 +76,7 @@ def _block_groups(value: object) -> bool:
         return False
     # A long prompt hands over thousands of block ids: checked at C speed (type(b) is int, as is_int,
     # refuses JSON's true and false, whose type is bool).
-    return all(isinstance(group, list) and set(map(type, group)) <= _INT_ONLY and (not group or min(group) >= 0)
+    return all(isinstance(group, list) and all_ints(group) and (not group or min(group) >= 0)
                for group in value)
 
 
@@ -118,18 +115,13 @@ def prefill_body(request: ClientRequest) -> bytes:
     other_api = PREFILLS.get(request.endpoint)
     if other_api is not None:
         return other_api(request, (KEY, PRODUCER_PARAMS))
-    replace: dict[str, bytes | None] = {name: None for name in _PREFILL_DROPPED}
-    replace.update({"stream": _FALSE, "max_tokens": _ONE, KEY: None})
     present = {m.name for m in request.members}
-    append = [("stream", _FALSE)] if "stream" not in present else []
-    if "max_tokens" not in present:
-        append.append(("max_tokens", _ONE))
-    if "max_completion_tokens" in present:
-        replace["max_completion_tokens"] = _ONE
-    elif request.endpoint is Endpoint.CHAT:
-        append.append(("max_completion_tokens", _ONE))
-    append.append((KEY, PRODUCER_PARAMS))
-    return jsonspan.rebuild(request.raw, request.members, replace, append)
+    caps = ["max_tokens"]
+    if "max_completion_tokens" in present or request.endpoint is Endpoint.CHAT:
+        caps.append("max_completion_tokens")
+    dropped = dict.fromkeys(_PREFILL_DROPPED)
+    return set_members(request.raw, request.members, {**one_token_unstreamed(caps), **dropped},
+                       last=[(KEY, PRODUCER_PARAMS)])
 
 
 def decode_body(request: ClientRequest, handoff_raw: bytes) -> bytes:

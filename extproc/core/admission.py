@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from extproc.errors import Code, PdError
 
@@ -13,7 +12,6 @@ class Admission:
     limit: int
     inflight: int = 0
     draining: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def full(self) -> bool:
@@ -29,9 +27,6 @@ class Admission:
     def enter(self) -> None:
         self.check()
         self.inflight += 1
-        self.idle.clear()
 
     def leave(self) -> None:
         self.inflight -= 1
-        if self.inflight == 0:
-            self.idle.set()

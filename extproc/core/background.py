@@ -25,8 +25,6 @@ class BackgroundPrefill:
     decode_answered: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the task when the prefill leg failed: the client gets this error instead of decode's answer.
     failure: PdError | None = None
-    # Set by the stream when decode answered an error and the prefill was then ended: decode's status.
-    abandoned_after_decode: int | None = None
     # Set by the stream when decode's answer went on to the client: its status. A prefill failing after
     # that is no longer the client's answer (the background failure counter still counts it).
     decode_answer_relayed: int | None = None

@@ -23,6 +23,15 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_INT_ONLY = frozenset({int})
+
+
+def all_ints(values: Iterable[object]) -> bool:
+    """Every item a JSON integer (as ``is_int``: true and false, whose type is bool, are not), at C
+    speed: token ids and handoff block ids run to tens of thousands."""
+    return set(map(type, values)) <= _INT_ONLY
+
+
 def int_at_least(minimum: int) -> Check:
     def check(value: object) -> bool:
         return is_int(value) and value >= minimum  # type: ignore[operator]
@@ -114,10 +123,14 @@ def refuse_reserved(body: Mapping[str, object], reserved: Iterable[ReservedField
             raise PdError(Code.RESERVED_REQUEST_FIELD, field=field.name)
 
 
-def set_members(raw: bytes, spans: Iterable[jsonspan.Member], values: Mapping[str, bytes | None]) -> bytes:
+def set_members(raw: bytes, spans: Iterable[jsonspan.Member], values: Mapping[str, bytes | None],
+                last: Iterable[tuple[str, bytes]] = ()) -> bytes:
     """``raw`` with each named member set: replaced in place where present, appended (in ``values``'
-    order) where absent; a None value drops the member. Every other member keeps its bytes."""
+    order) where absent; a None value drops the member. Then each ``last`` member is dropped where
+    present and appended at the end. Every other member keeps its bytes."""
     spans = list(spans)
+    last = list(last)
     present = {member.name for member in spans}
     append = [(name, value) for name, value in values.items() if name not in present and value is not None]
-    return jsonspan.rebuild(raw, spans, values, append)
+    replace = {**values, **{name: None for name, _ in last}} if last else values
+    return jsonspan.rebuild(raw, spans, replace, [*append, *last])

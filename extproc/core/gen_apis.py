@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.core.fields import is_int
+from extproc.core.fields import all_ints, is_int
 from extproc.errors import Code, PdError
 
 
@@ -68,15 +68,13 @@ def check_responses(body: dict[str, Any]) -> str | None:
     return None
 
 
-_INT_ONLY = frozenset({int})
-
 
 def check_generate(body: dict[str, Any]) -> str | None:
     """vLLM scale_out/token_in_token_out/protocol.py GenerateRequest: ``token_ids`` a non-empty list of
     non-negative ints, ``sampling_params`` a required object (vLLM's SamplingParams), whose ``n``
     must be 1 (vLLM returns one handoff per request) and whose ``max_tokens`` is a positive int when set."""
     token_ids = body.get("token_ids")
-    if not (isinstance(token_ids, list) and token_ids and set(map(type, token_ids)) <= _INT_ONLY
+    if not (isinstance(token_ids, list) and token_ids and all_ints(token_ids)
             and min(token_ids) >= 0):
         raise PdError(Code.INVALID_REQUEST_FIELD, field="token_ids")
     params = body.get("sampling_params")
@@ -105,7 +103,7 @@ def check_sglang_generate(body: dict[str, Any]) -> str | None:
             return "text"
         if not isinstance(text, str) or input_ids is not None:
             raise PdError(Code.INVALID_REQUEST_FIELD, field="text")
-    elif isinstance(input_ids, list) and input_ids and not set(map(type, input_ids)) <= _INT_ONLY:
+    elif isinstance(input_ids, list) and input_ids and not all_ints(input_ids):
         if all(isinstance(ids, list) for ids in input_ids):
             return "input_ids"
         raise PdError(Code.INVALID_REQUEST_FIELD, field="input_ids")

@@ -23,7 +23,7 @@ HOP_BY_HOP = frozenset({
 })
 _RECOMPUTED = frozenset({"host", "content-length", "content-type", "expect", "accept-encoding"})
 # The endpoint picker's headers (llm-d-router v0.10.0, pkg/common/routing/common.go). Envoy removes
-# them before decode too (envoy_config.py); we do not run encode stages or P2P KV pulls.
+# them before decode too (envoy/bootstrap.py, envoy/parts.py); we do not run encode stages or P2P KV pulls.
 PICKER_HEADERS = frozenset({PREFILL_TARGET_HEADER, "x-encoder-hosts-ports", "x-kv-cache-source-host-port"})
 DATA_PARALLEL_RANKS = frozenset({"x-data-parallel-rank", "x-override-routed-dp-rank"})
 _ROUTING_ONLY = PICKER_HEADERS | DATA_PARALLEL_RANKS

@@ -224,10 +224,6 @@ def member_value(raw: bytes, spans: Iterable[Member], name: str) -> bytes | None
     return None
 
 
-def value_bytes(raw: bytes, member: Member) -> bytes:
-    return raw[member.value_start:member.end]
-
-
 def rebuild(
     raw: bytes,
     spans: Iterable[Member],

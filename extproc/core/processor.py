@@ -267,7 +267,6 @@ class PdProcessor:
             # Decode failed and its answer goes to the client: nobody will claim what the prefill holds,
             # and it would wait for a claim until its engine's bootstrap timeout (SGLang: 300 s) with our
             # admission slot, a prefill connection and its KV. Closing our request aborts it there.
-            handle.abandoned_after_decode = status
             handle.task.cancel()
         handle.decode_answer_relayed = status
         return msg.continue_response_headers()

@@ -81,7 +81,7 @@ def continue_response_headers() -> pb.ProcessingResponse:
 
 
 # Our dynamic-metadata namespace: Envoy accepts it (ext_proc metadata_options) and the pd route turns
-# its keys into response headers and access-log fields (envoy_config.py).
+# its keys into response headers and access-log fields (envoy/bootstrap.py, envoy/parts.py).
 METADATA_NAMESPACE = "pd_extproc"
 
 

@@ -319,7 +319,7 @@ _SIDECAR_NOTE = """\
 #   early_header_mutation_extensions: in that connection manager: no client's steering header reaches an engine
 # Every virtual host of that connection manager without the pd route still gets the guard; give it the
 # virtual_host_additions too. Do not change status_on_error, failure_mode_allow, message_timeout or
-# processing_mode (README).
+# processing_mode (docs/deployment.md).
 """
 _GATEWAY_NOTE = """\
 # pd-extproc drop-in parts (gateway mode), rendered from PD_EXTPROC_* settings:
@@ -333,7 +333,7 @@ _GATEWAY_NOTE = """\
 #   stats_config:        merged into the bootstrap's stats_config (the histograms' buckets)
 # Run the server with PD_EXTPROC_MODE=gateway. Do not change status_on_error (510: the mappers tell our filter's
 # failures from the picker's by it), failure_mode_allow, message_timeout, processing_mode or
-# allowed_override_modes (README, docs/gateway.md).
+# allowed_override_modes (docs/deployment.md, docs/gateway.md).
 """
 
 

@@ -126,7 +126,7 @@ class WorkerClient:
             if checked is None:
                 if not self._policy.allows_address(target.ip, target.port):
                     raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
-                checked = ResolvedTarget(target, target.ip)
+                checked = ResolvedTarget(target, target.ip, tls=self._tls is not None)
                 if len(self._checked) >= CHECKED_TARGETS_MAX:
                     self._checked.clear()
                 self._checked[target] = checked
@@ -255,7 +255,7 @@ class WorkerClient:
 
     async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
         """An error answer's body, only where it may be the engine's own error about the request
-        (upstream_error.py); empty when it is not, too large or not complete. Never reused after."""
+        (core/relayed_error.py); empty when it is not, too large or not complete. Never reused after."""
         if head.status not in RELAYED_STATUSES:
             return b""
         try:

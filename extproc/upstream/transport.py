@@ -54,11 +54,7 @@ class ResolvedTarget:
 
     target: WorkerAddress
     ip: IPAddress
-    tls: bool = True  # use the prefill TLS settings (when configured); False for the local decode worker
-
-    @property
-    def connect_authority(self) -> str:
-        return f"[{self.ip}]:{self.target.port}" if self.ip.version == 6 else f"{self.ip}:{self.target.port}"
+    tls: bool  # use the prefill TLS settings (when configured); False for the local decode worker
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ from extproc.envoy.bootstrap import (
     TTFT_STAT,
     UNTRUSTED_PICKER_STAT,
 )
-from extproc.observability.metrics import NOT_ERROR_OUTCOMES, Metrics
+from extproc.observability.metrics import Metrics
+from tests.helpers import NOT_ERROR_OUTCOMES
 
 pytestmark = pytest.mark.deploy
 

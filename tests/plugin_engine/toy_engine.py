@@ -1,7 +1,8 @@
 """A small engine that is not part of pd-extproc: the whole of what a new engine needs, in one
 module (its Engine, adapter and emulator), written against the two plugin APIs only (``extproc.plugin``
 for the adapter, ``pd_extproc_lab.plugin`` for the emulator), installed as a ``pd_extproc.engines``
-entry point by tests/plugin_engine/test_plugin_engine.py. Nothing in extproc/ names it.
+entry point by tests/plugin_engine/test_plugin_engine.py; tests/plugin_engine/test_toy_adapter.py
+drives its adapter in-process over ``extproc.plugin.FakeTransport``. Nothing in extproc/ names it.
 
 The toy protocol: the prefill worker answers ``{"toy_handoff": <sha256 of the prompt>}``; the decode
 worker generates only when the request carries that handoff, plus the engine's own setting

@@ -132,6 +132,14 @@ def test_cancelled_stream_cancels_the_prefill_call_and_releases_its_slot() -> No
     """Envoy resetting the stream mid-prefill cancels the prefill HTTP request (the worker sees the
     connection close), counts the request as cancelled, and frees the in-flight slot."""
     async def test(h: Harness) -> None:
+        released = asyncio.Event()
+        leave = h.server.admission.leave
+
+        def leave_and_signal() -> None:
+            leave()
+            released.set()
+
+        h.server.admission.leave = leave_and_signal  # type: ignore[method-assign]
         h.prefill.control.script.append(VllmBehaviour(hang=True))
         call = h.stub().Process()
         await call.write(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}))
@@ -142,7 +150,7 @@ def test_cancelled_stream_cancels_the_prefill_call_and_releases_its_slot() -> No
         call.cancel()
         assert await h.prefill.control.wait_for(
             lambda: h.prefill.control.records[0].outcome == "disconnected", 10)
-        await asyncio.wait_for(h.server.admission.idle.wait(), 10)
+        await asyncio.wait_for(released.wait(), 10)
         assert h.server.admission.inflight == 0
         exposition = h.server.metrics.exposition().decode()
         assert 'pd_extproc_requests_total{adapter="vllm_nixl",outcome="cancelled"} 1.0' in exposition

@@ -8,8 +8,9 @@ import re
 from deploy import render_manifests as rm
 from extproc.config import specs
 from extproc.envoy.bootstrap import DECODE_STAT, TIMING_STAT_PREFIX, TTFT_STAT, UNTRUSTED_PICKER_STAT
-from extproc.observability.metrics import NOT_ERROR_OUTCOMES, Metrics
+from extproc.observability.metrics import Metrics
 from tests.harness import REPO
+from tests.helpers import NOT_ERROR_OUTCOMES
 
 OPERATIONS = (REPO / "docs" / "operations.md").read_text()
 

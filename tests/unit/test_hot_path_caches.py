@@ -41,7 +41,7 @@ def test_a_checked_target_is_remembered_and_a_forbidden_one_refused_every_time()
         client = upstream.WorkerClient(LIMITS, PrefillPolicy(parse_allow_list("10.0.0.0/8:8000")))
         allowed = parse_prefill_target(["10.0.0.7:8000"])
         checked = await client.resolve(allowed)
-        assert allowed.ip is not None and checked == upstream.ResolvedTarget(allowed, allowed.ip)
+        assert allowed.ip is not None and checked == upstream.ResolvedTarget(allowed, allowed.ip, tls=False)
         assert await client.resolve(allowed) is checked
         for _ in range(2):
             with pytest.raises(PdError) as refused:

@@ -41,7 +41,7 @@ class Worker:
     @property
     def target(self) -> ResolvedTarget:
         ip = ipaddress.ip_address("127.0.0.1")
-        return ResolvedTarget(WorkerAddress(host="127.0.0.1", port=self.port, ip=ip), ip)
+        return ResolvedTarget(WorkerAddress(host="127.0.0.1", port=self.port, ip=ip), ip, tls=False)
 
 
 @asynccontextmanager

@@ -7,9 +7,8 @@ import asyncio
 import ipaddress
 import json
 import ssl
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,7 +22,8 @@ from extproc.core.background import BackgroundPrefill, BackgroundPrefills
 from extproc.core.processor import BodyOutcome, PdProcessor, Pending
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
-from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.observability.metrics import Metrics
+from extproc.plugin import FakeTransport
 from extproc.upstream.client import Phase, classify, http1
 from extproc.upstream.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 
@@ -33,58 +33,6 @@ DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("1
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
            "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-Answer = WorkerReply | PdError | Callable[[], Awaitable[WorkerReply]]
-
-
-@dataclass
-class Call:
-    method: str
-    target: ResolvedTarget
-    path: str
-    headers: list[tuple[str, str]]
-    body: bytes | None
-    bounds: Bounds | None = None
-
-
-@dataclass
-class FakeTransport:
-    """Answers each POST with the next scripted answer (a reply, an error to raise, or a coroutine to
-    await), and records every call."""
-
-    answers: deque[Answer] = field(default_factory=deque)
-    calls: list[Call] = field(default_factory=list)
-    resolve_error: PdError | None = None  # raised by resolve (a name that did not resolve)
-
-    async def resolve(self, target: WorkerAddress) -> ResolvedTarget:
-        if self.resolve_error is not None:
-            raise self.resolve_error
-        assert target.ip is not None
-        return ResolvedTarget(target, target.ip)
-
-    async def post(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]], body: bytes,
-                   record: RequestRecord | None = None, bounds: Bounds | None = None) -> WorkerReply:
-        self.calls.append(Call("POST", target, path, list(headers), body, bounds))
-        return await self._answer()
-
-    async def get(self, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]]) -> WorkerReply:
-        self.calls.append(Call("GET", target, path, list(headers), None))
-        return await self._answer()
-
-    async def _answer(self) -> WorkerReply:
-        answer = self.answers.popleft()
-        if isinstance(answer, PdError):
-            raise answer
-        if isinstance(answer, WorkerReply):
-            return answer
-        return await answer()
-
-    async def aclose(self) -> None:
-        return None
-
-    def posts_to(self, target: ResolvedTarget) -> list[Call]:
-        return [call for call in self.calls if call.method == "POST" and call.target == target]
-
 
 def ok(body: dict[str, Any]) -> WorkerReply:
     return WorkerReply(200, "application/json", json.dumps(body).encode())
