@@ -27,12 +27,13 @@ Each validator returns a list of problems (empty = valid), so tests can plant er
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,9 +100,10 @@ def load_documents(paths: Iterable[Path]) -> list[Document]:
 
 
 # The kustomize package and gateway mode: validated as what they render, never file by file.
-KUSTOMIZE_DIRS = ("base", "components", "overlays", "gateway-mode", "gateway-mode-examples")
+KUSTOMIZE_DIRS = ("base", "components", "overlays", "engine-overlays", "gateway-mode", "gateway-mode-examples")
 GATEWAY_MODE = K8S_DIR / "gateway-mode"
 GATEWAY_EXAMPLES = K8S_DIR / "gateway-mode-examples"  # adopters' overlays of gateway mode, one per gateway
+ENGINE_OVERLAYS = K8S_DIR / "engine-overlays"  # sidecar mode with SGLang or TensorRT-LLM engines, one per engine
 KUSTOMIZATION = "kustomization.yaml"
 
 
@@ -114,6 +116,11 @@ def k8s_files(directory: Path = K8S_DIR) -> list[Path]:
 def overlays(directory: Path = K8S_OVERLAYS) -> list[Path]:
     """Every kustomize overlay (a directory with a kustomization.yaml)."""
     return sorted(p.parent for p in directory.glob("*/kustomization.yaml"))
+
+
+def engine_overlays() -> list[Path]:
+    """The sidecar overlays whose engines are not vLLM (k8s/engine-overlays/*)."""
+    return overlays(ENGINE_OVERLAYS)
 
 
 class RenderError(ValueError):
@@ -147,7 +154,7 @@ def kustomize_documents(root: Path) -> list[Document]:
 
 def k8s_documents() -> list[Document]:
     """Every object every overlay and gateway-mode folder renders, and the plain manifests beside them."""
-    roots = overlays() + kustomize_roots() + kustomize_roots(GATEWAY_EXAMPLES)
+    roots = overlays() + engine_overlays() + kustomize_roots() + kustomize_roots(GATEWAY_EXAMPLES)
     rendered = [doc for root in roots for doc in render_overlay(root)]
     return rendered + load_documents(k8s_files())
 
@@ -183,10 +190,28 @@ def envoy_configs(compose_dir: Path = REPO / "envoy") -> dict[str, str]:
         text = path.read_text()
         if is_envoy_bootstrap(text):
             found[_rel(path)] = text
-    for overlay in overlays():
+    for overlay in overlays() + engine_overlays():
         env = decode_settings([doc.body for doc in render_overlay(overlay)])
-        found[f"{_rel(overlay)} (init container envoy-config)"] = render_yaml(load_settings(env, {}))
+        with _mounted_secrets(env) as settings_env:
+            found[f"{_rel(overlay)} (init container envoy-config)"] = render_yaml(load_settings(settings_env, {}))
     return found
+
+
+# Settings that name a file a Secret mounts in the pod: they must exist when the settings load.
+_SECRET_FILE_SETTINGS = ("PD_EXTPROC_TRTLLM_AUTH_KEY_FILE",)
+
+
+@contextlib.contextmanager
+def _mounted_secrets(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """``env`` with each Secret-mounted file replaced by a stand-in, as the pod would have it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = dict(env)
+        for name in _SECRET_FILE_SETTINGS:
+            if out.get(name):
+                stand_in = Path(tmp) / name
+                stand_in.write_text("stand-in key")
+                out[name] = str(stand_in)
+        yield out
 
 
 def envoy_problems(text: str) -> list[str]:

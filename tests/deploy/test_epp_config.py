@@ -85,6 +85,15 @@ PLUGINS: dict[str, PluginType] = {
                                                  "matchLengthScaleTokens"})),
     "max-score-picker": PluginType("picker", "pkg/epp/framework/plugins/scheduling/picker/maxscore/picker.go",
                                    frozenset({"maxNumOfEndpoints"})),
+    # The data layer (dataLayer.sources), which the loader adds with defaults unless a source of this type is
+    # configured (pkg/epp/config/loader/defaults.go, ensureDataLayer).
+    "metrics-data-source": PluginType("data-source", "pkg/epp/framework/plugins/datalayer/source/metrics/"
+                                      "datasource.go", frozenset({"scheme", "path", "port", "insecureSkipVerify",
+                                                                  "caCertPath", "clientCertPath", "clientKeyPath",
+                                                                  "interval"})),
+    "core-metrics-extractor": PluginType("extractor", "pkg/epp/framework/plugins/datalayer/extractor/metrics/"
+                                         "factories.go",
+                                         frozenset({"engineLabelKey", "defaultEngine", "engineConfigs"})),
 }
 # pkg/epp/server/options.go, AddFlags: the flags the shipped Deployment passes must exist.
 FLAGS = {"--pool-name", "--pool-namespace", "--pool-group", "--config-file", "--config-text", "--grpc-port",

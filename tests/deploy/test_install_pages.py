@@ -120,7 +120,8 @@ def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(nam
     result = run_offline(name, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rendered = sorted(tmp_path.glob("*.yaml"))
-    assert [path.name for path in rendered] == ["my-pd-sidecar.yaml", "my-pd.yaml"]
+    engines = ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"] if name == "envoy-gateway" else []
+    assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines])
     for path in rendered:
         docs = _rendered(path)
         assert not _problems(docs), "\n".join(_problems(docs))
@@ -130,3 +131,6 @@ def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(nam
         models = [doc["data"]["MODEL"] for doc in docs
                   if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("pd-model-")]
         assert models == ["Qwen/Qwen3-8B"]
+        engine = path.stem.removeprefix("my-pd-")
+        if engine in ("sglang", "trtllm"):
+            assert settings[0]["data"]["PD_EXTPROC_ADAPTER"] == engine

@@ -23,8 +23,10 @@ DEFAULT_NAMESPACE = "llm"
 FOREIGN_NAMESPACE = "inference-prod"
 # Namespaces the manifests name on purpose: the gateways' and Prometheus' own, and DNS's.
 EXTERNAL_NAMESPACES = {"envoy-gateway-system", "istio-system", "monitoring", "kube-system"}
-# Every kustomization an operator applies (or copies): the sidecar overlays and gateway mode's two roots.
-ROOTS = [*validate.overlays(), validate.GATEWAY_MODE, validate.GATEWAY_MODE / "istio",
+# Every kustomization an operator applies (or copies): the sidecar overlays (vLLM's and the other engines'),
+# gateway mode's two roots and its examples.
+SIDECAR_OVERLAYS = [*validate.overlays(), *validate.engine_overlays()]
+ROOTS = [*SIDECAR_OVERLAYS, validate.GATEWAY_MODE, validate.GATEWAY_MODE / "istio",
          *validate.kustomize_roots(validate.GATEWAY_EXAMPLES)]
 # A string naming the default namespace as a whole word: `llm` but not `llm-d.ai` or `vllm`.
 _OLD = re.compile(rf"(?<![\w-]){DEFAULT_NAMESPACE}(?![\w-])")
@@ -129,7 +131,7 @@ def _settings_configmap_name(docs: list[dict[str, Any]]) -> str:
     return str(name)
 
 
-@pytest.mark.parametrize("overlay", validate.overlays(), ids=_root_id)
+@pytest.mark.parametrize("overlay", SIDECAR_OVERLAYS, ids=_root_id)
 def test_a_setting_changed_in_an_overlay_reaches_pd_extproc_and_envoy_and_rolls_the_pods(
         overlay: Path, tmp_path: Path) -> None:
     before = _render(overlay)
