@@ -39,6 +39,11 @@ _API_NAMES = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "completions", Endpoi
 OPENAI_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 
 
+def paths_of(endpoints: frozenset[Endpoint]) -> frozenset[str]:
+    """The request paths of ``endpoints`` (what a route or the gateway decision compares a path with)."""
+    return frozenset(endpoint.value for endpoint in endpoints)
+
+
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     endpoint: Endpoint

@@ -41,7 +41,7 @@ from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
 from extproc.core.headers import prefill_headers
 from extproc.core.inspection import Rules
 from extproc.core.inspector import Inspector
-from extproc.core.openai_request import ClientRequest, Endpoint, refuse_unsupported
+from extproc.core.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
 from extproc.core.prefill_target import HEADER, parse_prefill_target
 from extproc.core.steering import STEERING_HEADER_NAMES
 from extproc.envoy import messages as msg
@@ -135,7 +135,7 @@ class PdProcessor:
         self._stripped_sorted = tuple(sorted(self._stripped_headers))
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         # The paths the adapter serves P/D (gateway mode passes every other request through).
-        self.pd_paths = frozenset(endpoint.value for endpoint in adapter.endpoints)
+        self.pd_paths = paths_of(adapter.endpoints)
         self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
 
     @staticmethod

@@ -9,13 +9,13 @@ three must never disagree (tests/unit/test_pd_request.py runs one table through 
 
 from __future__ import annotations
 
-from extproc.core.openai_request import OPENAI_ENDPOINTS, Endpoint
+from extproc.core.openai_request import OPENAI_ENDPOINTS, Endpoint, paths_of
 from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.pd_paths import path_regex
 
 PD_METHOD = "POST"
 # The paths every adapter serves P/D (the default where no adapter is named).
-OPENAI_PATHS = frozenset(endpoint.value for endpoint in OPENAI_ENDPOINTS)
+OPENAI_PATHS = paths_of(OPENAI_ENDPOINTS)
 
 __all__ = ["OPENAI_PATHS", "PD_METHOD", "PREFILL_TARGET_HEADER", "full_path_regex", "is_pd"]
 

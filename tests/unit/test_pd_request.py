@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from extproc.config import load_settings
+from extproc.core.openai_request import paths_of
 from extproc.envoy.bootstrap import render
 from extproc.envoy.gateway import is_pd_request
 from extproc.envoy.messages import RequestHead
@@ -87,7 +88,7 @@ def test_the_route_the_server_and_the_guard_matcher_agree(adapter: str, method: 
                                                           pd: bool) -> None:
     tag = (("x-prefiller-host-port", "10.0.0.1:8000"),) if tagged else ()
     head = RequestHead(path=path, headers=((":method", method), (":path", path), *tag))
-    paths = frozenset(endpoint.value for endpoint in served(adapter))
+    paths = paths_of(served(adapter))
     assert is_pd(method, path, tagged, paths) is pd
     assert is_pd_request(head, paths) is pd, "the gateway-mode server"
     assert _route_takes(adapter, method, path, tagged) is pd, "the sidecar's pd route"
