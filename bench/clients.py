@@ -32,6 +32,7 @@ import uvloop
 
 from bench.workers import CheapWorker
 from bench.workload import CHAT_PATH, chat_body
+from extproc.clock import MonotonicClock
 from extproc.core.prefill_policy import PrefillPolicy
 from extproc.upstream.client import WorkerClient, WorkerLimits
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress
@@ -41,7 +42,8 @@ HEADERS = [("content-type", "application/json"), ("accept", "application/json")]
 
 
 async def _aiohttp(host: str, port: int, body: bytes) -> tuple[Post, Callable[[], Awaitable[None]]]:
-    client = WorkerClient(WorkerLimits(5, 30, 60, 1 << 20, 1024), PrefillPolicy((), allow_loopback=True))
+    client = WorkerClient(WorkerLimits(5, 30, 60, 1 << 20, 1024), PrefillPolicy((), allow_loopback=True),
+                          clock=MonotonicClock())
     ip = ipaddress.ip_address(host)
     target = ResolvedTarget(WorkerAddress(host, port, ip), ip, tls=False)
 

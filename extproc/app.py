@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from extproc.adapters import build_adapter, engines
+from extproc.clock import Clock, MonotonicClock
 from extproc.config import ConfigError, Settings
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefills
@@ -58,7 +59,7 @@ def _prefill_tls(settings: Settings) -> WorkerTls | None:
 DECODE_METRICS_MAX_BYTES = 16 << 20
 
 
-def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: DecodeTarget, metrics: Metrics,
+def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: DecodeTarget, metrics: Metrics, clock: Clock,
                   block: SharedBlock | None = None, index: int = 0) -> DecodeQueueWatch | QueueLimit | None:
     """The decode-queue watch; with several workers only worker 0 runs it (one scrape of the decode
     worker, not N) and publishes each reading in the shared block, where the others read it."""
@@ -66,15 +67,15 @@ def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: DecodeTarge
     if not settings.decode_queue_limit or engine is None or engine.decode_queue is None:
         return None
     if block is not None and index != 0:
-        return SharedQueueReading(block, settings.decode_queue_limit, settings.decode_queue_interval)
+        return SharedQueueReading(block, settings.decode_queue_limit, settings.decode_queue_interval, clock)
     interval = settings.decode_queue_interval
     # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
     # size cap apply to it.
     client = WorkerClient(WorkerLimits(
         connect_timeout=interval, read_timeout=interval, deadline=interval,
-        max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy)
+        max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy, clock=clock)
     watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
-                             settings.decode_queue_interval,
+                             settings.decode_queue_interval, clock,
                              on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc(),
                              on_reading=None if block is None else partial(SharedQueueReading.publish, block))
     # Read at scrape time from the watch, the reading's one owner: NaN exactly when the limit has
@@ -113,6 +114,7 @@ class ExtProcServer:
     def __init__(self, settings: Settings, role: WorkerRole | None = None) -> None:
         self.settings = settings
         self.role = role
+        self.clock = MonotonicClock()  # everything below that reads the time or waits on it asks this one
         self.metrics = Metrics()
         self.block: SharedBlock | None = None
         if role is None:
@@ -128,18 +130,19 @@ class ExtProcServer:
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
             keepalive=settings.prefill_keepalive,
-        ), self.policy, _prefill_tls(settings), on_retry=self.metrics.prefill_retries.inc)
+        ), self.policy, _prefill_tls(settings), on_retry=self.metrics.prefill_retries.inc, clock=self.clock)
         self.tracing = _tracing(settings)
-        self.background = BackgroundPrefills()
+        self.background = BackgroundPrefills(self.clock)
         try:
             adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
         decode = self.decode = DecodeTarget(settings.decode)
-        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.block,
+        self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.clock, self.block,
                                           0 if role is None else role.index)
         self.processor = PdProcessor(
-            adapter, self.prefill, max_request_bytes=settings.max_request_bytes, admission=self.admission,
+            adapter, self.prefill, clock=self.clock, max_request_bytes=settings.max_request_bytes,
+            admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
             fallback=settings.prefill_fallback == "aggregated",
             serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
@@ -224,12 +227,11 @@ class ExtProcServer:
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
-        await asyncio.sleep(notice)  # in-flight requests carry on meanwhile
-        loop = asyncio.get_running_loop()
-        grace_ends = loop.time() + self.settings.drain_timeout - notice
+        await self.clock.sleep(notice)  # in-flight requests carry on meanwhile
+        grace_ends = self.clock.now() + self.settings.drain_timeout - notice
         await self.grpc.stop(self.settings.drain_timeout - notice)
         # Concurrent-flow prefill requests still running: the rest of the grace period, then cancelled.
-        await self.background.drain(grace_ends - loop.time())
+        await self.background.drain(grace_ends - self.clock.now())
         if isinstance(self.decode_queue, DecodeQueueWatch):
             await self.decode_queue.stop()
         await self.prefill.aclose()

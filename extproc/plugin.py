@@ -4,7 +4,8 @@ An engine outside this package (a ``pd_extproc.engines`` entry point naming an `
 here only, so the package's own layout can change without breaking it. Its emulator, if it has one,
 imports from ``pd_extproc_lab.plugin``. tests/plugin_engine/toy_engine.py is a whole engine written
 against these two modules. ``FakeTransport`` stands in for the workers in an engine's own tests: the
-processor's transport, answered from a script, every call recorded.
+processor's transport, answered from a script, every call recorded; ``FakeClock`` is the time such a
+test moves by hand (a processor, a cache or a watch takes its ``Clock`` as an argument).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from extproc.adapters.base import (
     ServerInfo,
 )
 from extproc.adapters.prefill_json import parse_prefill_object, upstream_status_error
+from extproc.clock import Clock, FakeClock, MonotonicClock
 from extproc.core import jsonspan
 from extproc.core.fields import (
     FieldRule,
@@ -63,6 +65,7 @@ from extproc.upstream.transport import WorkerAddress, WorkerReply
 __all__ = [
     "AnswerDirectly",
     "ClientRequest",
+    "Clock",
     "Code",
     "ConcurrentAdapter",
     "ConcurrentPlan",
@@ -72,10 +75,12 @@ __all__ = [
     "Demo",
     "Endpoint",
     "Engine",
+    "FakeClock",
     "FakeTransport",
     "FieldRule",
     "FieldRules",
     "Flow",
+    "MonotonicClock",
     "Options",
     "PdError",
     "PlanInput",

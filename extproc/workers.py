@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from extproc.clock import Clock
 from extproc.core.admission import Admission
 from extproc.errors import Code, PdError
 from extproc.units import Address
@@ -123,8 +122,7 @@ class SharedQueueReading:
     and publishes each reading here (``publish``); the others answer ``over_limit`` from the block,
     with the watch's own rule (a reading older than three intervals refuses nothing)."""
 
-    def __init__(self, block: SharedBlock, limit: int, interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, block: SharedBlock, limit: int, interval: float, clock: Clock) -> None:
         self._block = block
         self._limit = limit
         self._interval = interval
@@ -138,7 +136,7 @@ class SharedQueueReading:
     @property
     def waiting(self) -> float | None:
         waiting, read_at = self._block.reading[0], self._block.reading[1]
-        return None if waiting != waiting else fresh(waiting, read_at, self._clock(), self._interval)  # NaN: none
+        return None if waiting != waiting else fresh(waiting, read_at, self._clock.now(), self._interval)  # NaN: none
 
     def over_limit(self) -> bool:
         return over(self.waiting, self._limit)

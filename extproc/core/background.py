@@ -8,10 +8,12 @@ that is where the request's admission slot is released, so no ending can leak a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.clock import Clock
 from extproc.errors import PdError
 
 Task = asyncio.Task[None]
@@ -32,7 +34,8 @@ class BackgroundPrefill:
 
 
 class BackgroundPrefills:
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
         self._tasks: set[Task] = set()
 
     def start(self, work: Callable[[BackgroundPrefill], Coroutine[Any, Any, None]],
@@ -57,7 +60,11 @@ class BackgroundPrefills:
         """Wait up to ``grace`` seconds for the running prefills, then cancel the rest."""
         if not self._tasks:
             return
-        _, late = await asyncio.wait(set(self._tasks), timeout=max(0.0, grace))
+        running = set(self._tasks)
+        with contextlib.suppress(TimeoutError):
+            async with self._clock.timeout(max(0.0, grace)):
+                await asyncio.wait(running)
+        late = [task for task in running if not task.done()]
         for task in late:
             task.cancel()
         await asyncio.gather(*late, return_exceptions=True)

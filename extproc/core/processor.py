@@ -18,7 +18,6 @@ import hashlib
 import logging
 import re
 import secrets
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from extproc.adapters.base import (
     PlanInput,
     SequentialAdapter,
 )
+from extproc.clock import Clock
 from extproc.core import error_shapes
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
@@ -103,6 +103,7 @@ class PdProcessor:
         adapter: Adapter | Disabled,
         transport: Transport,
         *,
+        clock: Clock,
         max_request_bytes: int,
         admission: Admission,
         metrics: Metrics,
@@ -117,6 +118,8 @@ class PdProcessor:
     ) -> None:
         self._adapter = adapter
         self._transport = transport
+        self._clock = clock
+        self._now = clock.now
         self._admission = admission
         self._metrics = metrics
         self._background = background
@@ -136,7 +139,8 @@ class PdProcessor:
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         # The paths the adapter serves P/D (gateway mode passes every other request through).
         self.pd_paths = paths_of(adapter.endpoints)
-        self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys)
+        self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys,
+                                            clock=clock)
 
     @staticmethod
     def inspection_rules(adapter: Adapter | Disabled, max_request_bytes: int) -> Rules:
@@ -259,7 +263,7 @@ class PdProcessor:
         handle.decode_answered.set()
         if status >= 400 and handle.failure is None and not handle.task.done():
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(DECODE_ERROR_GRACE):
+                async with self._clock.timeout(DECODE_ERROR_GRACE):
                     await asyncio.shield(handle.task)
         if handle.failure is not None:
             return error_response(handle.failure)
@@ -333,7 +337,7 @@ class PdProcessor:
             if wait is None:
                 break
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
+                async with self._clock.timeout(wait):
                     await decode_answered.wait()
                     break
         return accepted and decode_answered.is_set()
@@ -375,7 +379,7 @@ class PdProcessor:
 
     def _record(self, head: msg.RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
-                               time.perf_counter(), api_label(head.path))
+                               self._now(), api_label(head.path))
         if self._tracing is not None:
             record.trace = self._tracing.begin(head.headers)
         return record
@@ -390,7 +394,7 @@ class PdProcessor:
 
     def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
         record.outcome, record.status, record.done = outcome, status, True
-        total = time.perf_counter() - record.started
+        total = self._now() - record.started
         self._metrics.finish(record, total)
         if record.trace is not None:
             record.trace.finish(record.adapter, outcome, status, record.api)

@@ -24,11 +24,11 @@ import asyncio
 import ipaddress
 import socket
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from extproc.clock import Clock
 from extproc.core.prefill_policy import PrefillPolicy, first_allowed
 from extproc.core.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
 from extproc.core.relayed_error import RELAYED_STATUSES
@@ -97,16 +97,18 @@ class WorkerClient:
     """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
 
     def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None,
-                 on_retry: Callable[[], None] | None = None) -> None:
-        """``on_retry`` is called for each request sent again on a new connection (a metric)."""
+                 on_retry: Callable[[], None] | None = None, *, clock: Clock) -> None:
+        """``on_retry`` is called for each request sent again on a new connection (a metric); ``clock``
+        times each exchange and ages idle connections."""
         self._limits = limits
+        self._now = clock.now
         self._on_retry = on_retry
         self._policy = policy
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
         self._checked: dict[WorkerAddress, ResolvedTarget] = {}
         self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
-        self._swept = time.monotonic()
+        self._swept = clock.now()
         self._open = True
 
     async def aclose(self) -> None:
@@ -156,7 +158,7 @@ class WorkerClient:
 
     async def _bounded(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
                        body: bytes | None, timings: ExchangeTimings | None, bounds: Bounds | None) -> WorkerReply:
-        started = time.perf_counter()
+        started = self._now()
         deadline = bounds.deadline if bounds is not None else self._limits.deadline
         gap = bounds.read_timeout if bounds is not None else self._limits.read_timeout
         if self._slots is None:
@@ -178,7 +180,7 @@ class WorkerClient:
             raise PdError(Code.PREFILL_UPSTREAM_TIMEOUT) from None
         finally:
             if timings is not None:
-                timings.total_seconds = time.perf_counter() - started
+                timings.total_seconds = self._now() - started
 
     async def _exchange(self, method: str, target: ResolvedTarget, path: str, headers: Sequence[tuple[str, str]],
                         body: bytes | None, timings: ExchangeTimings | None, started: float,
@@ -206,7 +208,7 @@ class WorkerClient:
                     connection = await self._connect(key, tls, timings, deadline_at)
                     head = await self._request_head(connection, request, gap, deadline_at, reused=False)
             if timings is not None:
-                timings.response_seconds = time.perf_counter() - started
+                timings.response_seconds = self._now() - started
                 timings.status = head.status
             content_type = head.get("content-type")
             if head.status != 200:
@@ -220,7 +222,7 @@ class WorkerClient:
             if timings is not None:
                 timings.response_bytes = len(body_read)
             if connection.reusable and self._open:
-                connection.idle_since = now = time.monotonic()
+                connection.idle_since = now = self._now()
                 self._idle.setdefault(key, []).append(connection)
                 connection = None
                 if now - self._swept >= self._limits.keepalive:
@@ -268,7 +270,7 @@ class WorkerClient:
     def _pooled(self, key: _PoolKey) -> http1.Connection | None:
         """The most recently used idle connection to ``key`` that is still open and fresh."""
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now = self._now()
         while idle:
             connection = idle.pop()
             if self._reusable(connection, now):
@@ -295,7 +297,7 @@ class WorkerClient:
     async def _connect(self, key: _PoolKey, tls: WorkerTls | None, timings: ExchangeTimings | None,
                        deadline_at: float) -> http1.Connection:
         host, port, server_name = key
-        started = time.perf_counter()
+        started = self._now()
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(min(loop.time() + self._limits.connect_timeout, deadline_at)):
@@ -306,5 +308,5 @@ class WorkerClient:
         except OSError as exc:  # refused, unreachable, TLS handshake or certificate failures
             raise PdError(classify(exc, Phase.HEAD)) from None
         if timings is not None:
-            timings.connect_seconds = time.perf_counter() - started
+            timings.connect_seconds = self._now() - started
         return connection

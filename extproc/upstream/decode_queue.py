@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from extproc.adapters.base import QueueGauges
+from extproc.clock import Clock
 from extproc.errors import PdError
 from extproc.upstream.decode_target import DecodeTarget, resolved
 from extproc.upstream.prom_text import gauge_values
@@ -57,8 +57,7 @@ class DecodeQueueWatch:
     failure is logged when readings stop, not every time."""
 
     def __init__(self, transport: Transport, decode: ResolvedTarget | DecodeTarget, gauges: QueueGauges, limit: int,
-                 interval: float, on_failure: Callable[[str], None] = lambda _: None,
-                 clock: Callable[[], float] = time.monotonic,
+                 interval: float, clock: Clock, on_failure: Callable[[str], None] = lambda _: None,
                  on_reading: Callable[[float, float], None] | None = None) -> None:
         self._transport = transport
         self._decode = decode
@@ -76,7 +75,7 @@ class DecodeQueueWatch:
     @property
     def waiting(self) -> float | None:
         """The last reading, or None when there is none fresh enough to act on."""
-        return fresh(self._waiting, self._read_at, self._clock(), self._interval)
+        return fresh(self._waiting, self._read_at, self._clock.now(), self._interval)
 
     def over_limit(self) -> bool:
         return over(self.waiting, self._limit)
@@ -84,7 +83,7 @@ class DecodeQueueWatch:
     async def read_once(self) -> None:
         """One scrape, bounded by the interval (a slow page must not hold the last reading past it)."""
         try:
-            async with asyncio.timeout(self._interval):
+            async with self._clock.timeout(self._interval):
                 reply = await self._transport.get(resolved(self._decode), self._gauges.path, ())
         except TimeoutError:
             self._failed("timeout")
@@ -101,7 +100,7 @@ class DecodeQueueWatch:
             return
         if self._failing:
             log.info("decode queue readings resumed", extra={"waiting": waiting})
-        self._waiting, self._read_at, self._failing = waiting, self._clock(), False
+        self._waiting, self._read_at, self._failing = waiting, self._clock.now(), False
         if self._on_reading is not None:
             self._on_reading(waiting, self._read_at)
 
@@ -120,7 +119,7 @@ class DecodeQueueWatch:
             except Exception:  # a bug here must not end the readings (stale readings refuse nothing)
                 log.exception("bug in the decode queue reader")
                 self._failed("internal_error")
-            await asyncio.sleep(self._interval)
+            await self._clock.sleep(self._interval)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

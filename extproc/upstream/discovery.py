@@ -8,14 +8,14 @@ adapter reads are kept (SGLang's /server_info also returns its API keys, unredac
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from extproc.adapters.prefill_json import upstream_status_error
+from extproc.clock import Clock
 from extproc.core import jsonspan
 from extproc.errors import Code, PdError
 from extproc.upstream.transport import ResolvedTarget, Transport
@@ -25,9 +25,8 @@ SERVER_INFO_ENTRIES = 1024  # endpoints remembered at most (least recently fetch
 
 
 class ServerInfoCache:
-    def __init__(self, transport: Transport, headers: Sequence[tuple[str, str]] = (), *,
-                 keep: Sequence[str] = (), ttl: float = SERVER_INFO_TTL, entries: int = SERVER_INFO_ENTRIES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, transport: Transport, headers: Sequence[tuple[str, str]] = (), *, clock: Clock,
+                 keep: Sequence[str] = (), ttl: float = SERVER_INFO_TTL, entries: int = SERVER_INFO_ENTRIES) -> None:
         self._transport = transport
         self._headers = list(headers)
         self._keep = frozenset(keep)
@@ -40,10 +39,10 @@ class ServerInfoCache:
         """The JSON object at ``path``; failures are the prefill leg's errors (and are not cached)."""
         key = (str(target.ip), target.target.port, path)
         cached = self._cache.get(key)
-        if cached is not None and cached[0] > self._clock():
+        if cached is not None and cached[0] > self._clock.now():
             return cached[1]
         info = await self._fetch(target, path)
-        self._cache[key] = (self._clock() + self._ttl, info)
+        self._cache[key] = (self._clock.now() + self._ttl, info)
         self._cache.move_to_end(key)
         while len(self._cache) > self._entries:
             self._cache.popitem(last=False)

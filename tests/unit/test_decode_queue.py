@@ -8,7 +8,7 @@ import ipaddress
 from bench.prom_parse import vllm_like_page
 from extproc.adapters.base import QueueGauges
 from extproc.errors import Code, PdError
-from extproc.plugin import FakeTransport
+from extproc.plugin import FakeClock, FakeTransport
 from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
 from extproc.upstream.prom_text import gauge_values, sample_values
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress, WorkerReply
@@ -32,11 +32,11 @@ def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> No
     """A failed or slow scrape gives no reading; the last one stands until it is too old, then
     nothing is refused."""
     async def run() -> None:
-        now = [100.0]
+        clock = FakeClock(100.0)
         transport = FakeTransport()
         failures: list[str] = []
         watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
-                                 limit=4, interval=1.0, on_failure=failures.append, clock=lambda: now[0])
+                                 limit=4, interval=1.0, clock=clock, on_failure=failures.append)
         assert watch.waiting is None and not watch.over_limit(), "no reading yet"
         for failure in (PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE), WorkerReply(500, "text/plain", b""),
                         WorkerReply(200, "text/plain", b"other_metric 9\n")):
@@ -45,7 +45,7 @@ def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> No
             transport.answers.append(failure)
             await watch.read_once()
             assert watch.waiting == 5.0 and watch.over_limit(), f"{failure!r}: the last reading stands"
-            now[0] += 3.5  # three intervals without a new reading: too old to act on
+            clock.advance(3.5)  # three intervals without a new reading: too old to act on
             assert watch.waiting is None and not watch.over_limit()
         assert failures == ["prefill_upstream_unavailable", "status_500", "no_gauge"]
         assert transport.calls[0].path == "/metrics" and transport.calls[0].target == DECODE
@@ -54,19 +54,48 @@ def test_over_the_limit_refuses_until_the_reading_is_three_intervals_old() -> No
 
 
 def test_a_scrape_slower_than_the_interval_gives_no_reading() -> None:
+    """The scrape is given the interval, to the instant (on the fake clock; it was a real 10 ms wait)."""
     async def run() -> None:
-        transport = FakeTransport()
+        transport, clock = FakeTransport(), FakeClock()
         failures: list[str] = []
         watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
-                                 limit=4, interval=0.01, on_failure=failures.append)
+                                 limit=4, interval=1.0, clock=clock, on_failure=failures.append)
 
         async def never() -> WorkerReply:
             await asyncio.Event().wait()
             raise AssertionError("unreachable")
 
         transport.answers.append(never)
-        await watch.read_once()
+        scrape = asyncio.ensure_future(watch.read_once())
+        await clock.waiting()
+        clock.advance(0.999)
+        assert clock.pending == 1 and failures == [], "within the interval"
+        clock.advance(0.001)
+        await scrape
         assert failures == ["timeout"] and watch.waiting is None
+
+    asyncio.run(run())
+
+
+def test_the_watch_reads_once_per_interval_until_stopped() -> None:
+    async def run() -> None:
+        transport, clock = FakeTransport(), FakeClock()
+        read_at: list[float] = []
+
+        async def page() -> WorkerReply:
+            read_at.append(clock.now())
+            return WorkerReply(200, "text/plain", PAGE.encode())
+
+        transport.answers.extend([page] * 3)
+        watch = DecodeQueueWatch(transport, DECODE, QueueGauges("/metrics", ("vllm:num_requests_waiting",)),
+                                 limit=4, interval=1.0, clock=clock)
+        watch.start()
+        for _ in range(2):
+            await clock.waiting()  # the wait after a reading
+            clock.advance(1.0)
+        await clock.waiting()
+        await watch.stop()
+        assert read_at == [0.0, 1.0, 2.0] and watch.waiting == 5.0 and clock.pending == 0
 
     asyncio.run(run())
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from extproc.clock import MonotonicClock
 from extproc.core import prefill_target
 from extproc.core.prefill_policy import PrefillPolicy, parse_allow_list
 from extproc.core.prefill_target import parse_prefill_target
@@ -38,7 +39,8 @@ def test_the_accepted_values_stay_bounded() -> None:
 
 def test_a_checked_target_is_remembered_and_a_forbidden_one_refused_every_time() -> None:
     async def scenario() -> None:
-        client = upstream.WorkerClient(LIMITS, PrefillPolicy(parse_allow_list("10.0.0.0/8:8000")))
+        client = upstream.WorkerClient(LIMITS, PrefillPolicy(parse_allow_list("10.0.0.0/8:8000")),
+                                       clock=MonotonicClock())
         allowed = parse_prefill_target(["10.0.0.7:8000"])
         checked = await client.resolve(allowed)
         assert allowed.ip is not None and checked == upstream.ResolvedTarget(allowed, allowed.ip, tls=False)

@@ -2,7 +2,7 @@
 
 Each worker is a small asyncio server that answers every request on a connection with one canned
 response and records, per connection, how many requests it served and whether we closed it. The
-pool's clock is a fake one, so "idle for longer than the keep-alive" needs no waiting.
+pool's clock is a FakeClock, so "idle for longer than the keep-alive" needs no waiting.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from extproc.clock import Clock, FakeClock, MonotonicClock
 from extproc.core.prefill_policy import PrefillPolicy
 from extproc.errors import Code, PdError
 from extproc.upstream import client as upstream
@@ -75,40 +76,27 @@ async def worker(answer: bytes = OK, hold: asyncio.Event | None = None) -> Async
         server.close()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(upstream, "time", fake)
-    return fake
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
 
-def client() -> upstream.WorkerClient:
-    return upstream.WorkerClient(LIMITS, PrefillPolicy((), allow_loopback=True))
+def client(clock: Clock | None = None) -> upstream.WorkerClient:
+    return upstream.WorkerClient(LIMITS, PrefillPolicy((), allow_loopback=True), clock=clock or MonotonicClock())
 
 
-def test_a_fresh_idle_connection_is_reused_and_a_stale_one_closed(clock: Clock) -> None:
+def test_a_fresh_idle_connection_is_reused_and_a_stale_one_closed(clock: FakeClock) -> None:
     async def test() -> None:
         async with worker() as prefill:
-            pool = client()
+            pool = client(clock)
             for _ in range(2):
                 assert (await pool.post(prefill.target, "/v1/completions", [], b"{}")).status == 200
             assert [c.requests for c in prefill.connections] == [2]
-            clock.now += upstream.KEEPALIVE_SECONDS  # idle as long as the workers' keep-alive allows
+            clock.advance(upstream.KEEPALIVE_SECONDS)  # idle as long as the workers' keep-alive allows
             await pool.post(prefill.target, "/v1/completions", [], b"{}")
             assert [c.requests for c in prefill.connections] == [2, 1]
             await prefill.connections[0].closed_by_us.wait()
@@ -117,12 +105,12 @@ def test_a_fresh_idle_connection_is_reused_and_a_stale_one_closed(clock: Clock) 
     run(test)
 
 
-def test_the_sweep_closes_idle_connections_of_a_worker_no_longer_used(clock: Clock) -> None:
+def test_the_sweep_closes_idle_connections_of_a_worker_no_longer_used(clock: FakeClock) -> None:
     async def test() -> None:
         async with worker() as gone, worker() as current:
-            pool = client()
+            pool = client(clock)
             await pool.post(gone.target, "/v1/completions", [], b"{}")
-            clock.now += upstream.KEEPALIVE_SECONDS
+            clock.advance(upstream.KEEPALIVE_SECONDS)
             await pool.post(current.target, "/v1/completions", [], b"{}")
             await gone.connections[0].closed_by_us.wait()  # never used again, yet closed
             assert not current.connections[0].closed_by_us.is_set()
@@ -152,7 +140,7 @@ def test_a_cancelled_exchange_closes_its_connection_and_frees_its_slot() -> None
             pool = upstream.WorkerClient(
                 upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10,
                                        max_response_bytes=1 << 20, max_connections=1),
-                PrefillPolicy((), allow_loopback=True))
+                PrefillPolicy((), allow_loopback=True), clock=MonotonicClock())
             waiting = asyncio.create_task(pool.post(prefill.target, "/v1/completions", [], b"{}"))
             await prefill.received.wait()  # the worker holds the request
             waiting.cancel()
@@ -190,7 +178,7 @@ def _short_deadline(max_connections: int = 4) -> upstream.WorkerClient:
     return upstream.WorkerClient(
         upstream.WorkerLimits(connect_timeout=5, read_timeout=30, deadline=0.2, max_response_bytes=1 << 20,
                                max_connections=max_connections),
-        PrefillPolicy((), allow_loopback=True))
+        PrefillPolicy((), allow_loopback=True), clock=MonotonicClock())
 
 
 Peer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -1,7 +1,7 @@
 """extproc/upstream: the request line is validated before anything is sent, the transport raises only
 PdError, the idle limit is a setting, and a request is sent again once only when a reused keep-alive
 connection ended before any byte of a response (counted). Workers are scripted asyncio servers on
-loopback; the pool's clock is a fake one (tests/unit/test_prefill_pool.py)."""
+loopback; the pool's clock is a FakeClock where idle ages matter."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from extproc.clock import Clock, FakeClock, MonotonicClock
 from extproc.config import load_settings
 from extproc.core.prefill_policy import PrefillPolicy
 from extproc.errors import Code, PdError
 from extproc.upstream import client as upstream
 from extproc.upstream import http1
-from tests.unit.test_prefill_pool import LIMITS, OK, Clock, Worker, clock, run
+from tests.unit.test_prefill_pool import LIMITS, OK, Worker, clock, run
 
 __all__ = ["clock"]  # the fixture, used by name
 
@@ -65,8 +66,10 @@ async def scripted(script: Script) -> AsyncIterator[Worker]:
         server.close()
 
 
-def pool(retries: list[int], limits: upstream.WorkerLimits = LIMITS) -> upstream.WorkerClient:
-    return upstream.WorkerClient(limits, PrefillPolicy((), allow_loopback=True), on_retry=lambda: retries.append(1))
+def pool(retries: list[int], limits: upstream.WorkerLimits = LIMITS,
+         clock: Clock | None = None) -> upstream.WorkerClient:
+    return upstream.WorkerClient(limits, PrefillPolicy((), allow_loopback=True), on_retry=lambda: retries.append(1),
+                                 clock=clock or MonotonicClock())
 
 
 async def post(client: upstream.WorkerClient, worker: Worker) -> int:
@@ -109,16 +112,17 @@ def test_no_other_failure_is_retried(connections: list[list[str]], served: list[
     run(test)
 
 
-def test_the_idle_limit_is_the_setting(clock: Clock) -> None:
+def test_the_idle_limit_is_the_setting(clock: FakeClock) -> None:
     async def test() -> None:
         script = Script([["answer", "answer"], ["answer"]])
         async with scripted(script) as worker:
-            client = pool([], upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10,
-                                                    max_response_bytes=1 << 20, max_connections=4, keepalive=1.5))
+            limits = upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10,
+                                           max_response_bytes=1 << 20, max_connections=4, keepalive=1.5)
+            client = pool([], limits, clock)
             assert await post(client, worker) == 200
-            clock.now += 1.4
+            clock.advance(1.4)
             assert await post(client, worker) == 200  # within the limit: reused
-            clock.now += 1.5
+            clock.advance(1.5)
             assert await post(client, worker) == 200  # idle as long as the limit: a new connection
             assert script.served == [2, 1]
             await client.aclose()

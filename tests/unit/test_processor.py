@@ -19,11 +19,11 @@ from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefill, BackgroundPrefills
-from extproc.core.processor import BodyOutcome, PdProcessor, Pending
+from extproc.core.processor import ABORT_RETRY_WAITS, DECODE_ERROR_GRACE, BodyOutcome, PdProcessor, Pending
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
 from extproc.observability.metrics import Metrics
-from extproc.plugin import FakeTransport
+from extproc.plugin import FakeClock, FakeTransport
 from extproc.upstream.client import Phase, classify, http1
 from extproc.upstream.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 
@@ -45,6 +45,7 @@ class Rig:
     admission: Admission
     metrics: Metrics
     background: BackgroundPrefills
+    clock: FakeClock
 
     def outcomes(self) -> dict[str, float]:
         return {sample.labels["outcome"]: sample.value for metric in self.metrics.registry.collect()
@@ -53,11 +54,13 @@ class Rig:
 
 
 def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None) -> Rig:
-    transport, admission, metrics, background = FakeTransport(), Admission(limit), Metrics(), BackgroundPrefills()
-    processor = PdProcessor(adapter, transport, max_request_bytes=1 << 20, admission=admission, metrics=metrics,
-                            background=background, decode=DECODE, fallback=fallback, tracing=tracing,
-                            nonce=lambda: 0x1234)
-    return Rig(processor, transport, admission, metrics, background)
+    """A processor over a FakeTransport and a FakeClock: its time moves only when the test advances it."""
+    transport, admission, metrics, clock = FakeTransport(), Admission(limit), Metrics(), FakeClock()
+    background = BackgroundPrefills(clock)
+    processor = PdProcessor(adapter, transport, clock=clock, max_request_bytes=1 << 20, admission=admission,
+                            metrics=metrics, background=background, decode=DECODE, fallback=fallback,
+                            tracing=tracing, nonce=lambda: 0x1234)
+    return Rig(processor, transport, admission, metrics, background, clock)
 
 
 def inflight_gauge(r: Rig) -> float:
@@ -96,6 +99,13 @@ def decode_answers_once_aborted(r: Rig, handle: BackgroundPrefill,
         return WorkerReply(200, "text/plain", b"")
 
     return abort_ends_decode
+
+
+async def settled(task: asyncio.Task[None]) -> None:
+    """Return once ``task`` has ended and its owner's done callback (the slot's release) has run."""
+    ran = asyncio.Event()
+    task.add_done_callback(lambda _: ran.set())  # runs after the callbacks added before it
+    await ran.wait()
 
 
 def error_code(response: pb.ProcessingResponse) -> str:
@@ -278,6 +288,9 @@ def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our
             return WorkerReply(200, "text/plain", b"")
 
         r.transport.answers.append(second_abort)
+        await r.clock.waiting()  # the first abort is out; the processor waits for decode's answer
+        assert len(r.transport.posts_to(DECODE)) == 1 and not handle.task.done()
+        r.clock.advance(ABORT_RETRY_WAITS[0])
         await handle.task
         aborts = r.transport.posts_to(DECODE)
         assert [call.path for call in aborts] == ["/abort_request", "/abort_request"]
@@ -286,6 +299,72 @@ def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our
         assert error_code(answer) == "prefill_upstream_error"
         assert answer.immediate_response.status.code == 503
         assert r.admission.inflight == 0 and r.outcomes() == {"prefill_upstream_error": 1.0}
+
+    asyncio.run(run())
+
+
+def test_an_abort_decode_never_answers_is_sent_again_after_each_wait_then_given_up() -> None:
+    """Each abort goes out exactly when the previous wait ran out (0, 0.25, 0.75, 1.75, 3.75, 7.75 s), and
+    none after the last. Needs the fake clock: on real time these waits took 7.75 s and their moments
+    could not be asserted."""
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        r.transport.answers.append(WorkerReply(503, "application/json", b""))
+        sent_at: list[float] = []
+
+        async def lost_abort() -> WorkerReply:
+            sent_at.append(r.clock.now())
+            return WorkerReply(200, "text/plain", b"")
+
+        r.transport.answers.extend([lost_abort] * (len(ABORT_RETRY_WAITS) + 1))
+        handle = await start_background(r)
+        for wait in ABORT_RETRY_WAITS:
+            await r.clock.waiting()
+            r.clock.advance(wait)
+        await handle.task
+        assert sent_at == [0.0, 0.25, 0.75, 1.75, 3.75, 7.75]
+        assert len(r.transport.posts_to(DECODE)) == len(sent_at) and r.clock.pending == 0
+        assert r.admission.inflight == 0 and r.outcomes() == {"prefill_upstream_error": 1.0}
+
+    asyncio.run(run())
+
+
+def test_a_decode_error_waits_out_the_grace_for_the_prefill_then_ends_it() -> None:
+    """Decode fails while our prefill request is still out: its outcome is awaited for DECODE_ERROR_GRACE,
+    not a moment less; then the prefill request is cancelled and decode's answer goes to the client."""
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        _never_released, outcome = await start_held_prefill(r, sglang_prefill_ok())
+        handle = outcome.background
+        assert handle is not None
+        answer = asyncio.ensure_future(r.processor.on_decode_answer(handle, 502))
+        await r.clock.waiting()
+        r.clock.advance(DECODE_ERROR_GRACE - 0.001)
+        assert r.clock.pending == 1 and not answer.done(), "still within the grace: its timeout not due"
+        r.clock.advance(0.001)
+        assert (await answer).WhichOneof("response") == "response_headers", "decode's own answer"
+        await settled(handle.task)
+        assert handle.task.cancelled()
+        assert r.outcomes() == {"ok": 1.0} and r.admission.inflight == 0
+        assert r.transport.posts_to(DECODE) == [], "decode answered: nothing to abort"
+
+    asyncio.run(run())
+
+
+def test_a_prefill_failing_within_the_grace_is_the_clients_answer_not_decodes() -> None:
+    async def run() -> None:
+        r = rig(SglangAdapter())
+        release, outcome = await start_held_prefill(r, WorkerReply(503, "application/json", b""))
+        handle = outcome.background
+        assert handle is not None
+        answer = asyncio.ensure_future(r.processor.on_decode_answer(handle, 502))
+        await r.clock.waiting()
+        r.clock.advance(DECODE_ERROR_GRACE / 2)
+        release.set()
+        assert error_code(await answer) == "prefill_upstream_error"
+        await handle.task
+        assert r.transport.posts_to(DECODE) == [], "decode already answered: no abort"
+        assert r.outcomes() == {"prefill_upstream_error": 1.0} and r.admission.inflight == 0
 
     asyncio.run(run())
 

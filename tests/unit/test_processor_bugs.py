@@ -16,7 +16,7 @@ import pytest
 
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.processor import Pending
+from extproc.core.processor import ABORT_RETRY_WAITS, Pending
 from extproc.upstream.transport import WorkerReply
 from tests.unit.test_processor import (
     CHAT_BODY,
@@ -160,6 +160,8 @@ def test_a_bug_while_aborting_decode_does_not_stop_the_next_abort(caplog: pytest
 
         r.transport.answers.extend([bug, abort_ends_decode])
         with caplog.at_level(logging.ERROR, "extproc.request"):
+            await r.clock.waiting()  # the first abort failed; the next one waits its turn
+            r.clock.advance(ABORT_RETRY_WAITS[0])
             await handle.task
         assert [call.path for call in r.transport.posts_to(DECODE)] == ["/abort_request", "/abort_request"]
         assert error_code(await r.processor.on_decode_answer(handle, 500)) == "prefill_upstream_error"

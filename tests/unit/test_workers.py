@@ -15,6 +15,7 @@ from extproc.envoy.parts import sidecar_parts
 from extproc.errors import Code, PdError
 from extproc.observability.merge import combine, counters_only, merge_pages
 from extproc.observability.metrics import Metrics
+from extproc.plugin import FakeClock
 from extproc.units import parse_address
 from extproc.workers import SharedAdmission, SharedBlock, SharedQueueReading, worker_listen, worker_listens
 
@@ -120,15 +121,15 @@ def test_a_draining_worker_refuses_with_shutting_down(tmp_path: Path) -> None:
 
 def test_the_shared_decode_queue_reading_ages_out(tmp_path: Path) -> None:
     owner, maps = _blocks(tmp_path, 2)
-    now = [100.0]
-    reader = SharedQueueReading(maps[1], limit=4, interval=1.0, clock=lambda: now[0])
+    clock = FakeClock(100.0)
+    reader = SharedQueueReading(maps[1], limit=4, interval=1.0, clock=clock)
     assert reader.waiting is None and not reader.over_limit(), "no reading yet"
     SharedQueueReading.publish(maps[0], 9.0, 100.0)
     assert reader.waiting == 9.0 and reader.over_limit()
     SharedQueueReading.publish(maps[0], 4.0, 100.0)
     assert not reader.over_limit(), "at the limit is not over it"
     SharedQueueReading.publish(maps[0], 9.0, 100.0)
-    now[0] = 103.5
+    clock.advance(3.5)
     assert reader.waiting is None and not reader.over_limit(), "older than three intervals refuses nothing"
     assert math.isnan(owner.reading[0]) is False
 
