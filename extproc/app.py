@@ -1,5 +1,6 @@
-"""The application: the one place the object graph is built from Settings (adapter, prefill client,
-admission, metrics, tracing, decode-queue watch, processor, gRPC and HTTP servers), gRPC health, the
+"""The application: the one place the object graph is built from Settings (the clock, adapter, prefill
+client, decode control client, admission, metrics, tracing, decode-queue watch and its scraper,
+processor, gRPC and HTTP servers), gRPC health, the
 metrics/health HTTP endpoint, drain and signals. The stream loop itself is extproc/envoy/stream.py.
 """
 
@@ -69,12 +70,12 @@ def _decode_queue(settings: Settings, policy: PrefillPolicy, decode: DecodeTarge
     if block is not None and index != 0:
         return SharedQueueReading(block, settings.decode_queue_limit, settings.decode_queue_interval, clock)
     interval = settings.decode_queue_interval
-    # Its own client: it takes no prefill connection slot, and neither the prefill limits nor their
-    # size cap apply to it.
-    client = WorkerClient(WorkerLimits(
+    # The decode scraper: its own client, so it takes no prefill connection slot, and neither the
+    # prefill limits nor their size cap apply to it.
+    scraper = WorkerClient(WorkerLimits(
         connect_timeout=interval, read_timeout=interval, deadline=interval,
         max_response_bytes=DECODE_METRICS_MAX_BYTES, max_connections=1), policy, clock=clock)
-    watch = DecodeQueueWatch(client, decode, engine.decode_queue, settings.decode_queue_limit,
+    watch = DecodeQueueWatch(scraper, decode, engine.decode_queue, settings.decode_queue_limit,
                              settings.decode_queue_interval, clock,
                              on_failure=lambda reason: metrics.decode_queue_failures.labels(reason).inc(),
                              on_reading=None if block is None else partial(SharedQueueReading.publish, block))
@@ -123,14 +124,20 @@ class ExtProcServer:
             self.block = SharedBlock(role.block_path, role.workers)
             self.admission = SharedAdmission(limit=settings.max_inflight, block=self.block, index=role.index)
         self.policy = PrefillPolicy(settings.prefill_allow, allow_loopback=settings.demo)
-        self.prefill = WorkerClient(WorkerLimits(
+        limits = WorkerLimits(
             connect_timeout=settings.prefill_connect_timeout,
             read_timeout=settings.prefill_read_timeout,
             deadline=settings.prefill_deadline,
             max_response_bytes=settings.max_prefill_response_bytes,
             max_connections=settings.max_inflight,
             keepalive=settings.prefill_keepalive,
-        ), self.policy, _prefill_tls(settings), on_retry=self.metrics.prefill_retries.inc, clock=self.clock)
+        )
+        self.prefill_client = WorkerClient(limits, self.policy, _prefill_tls(settings),
+                                           on_retry=self.metrics.prefill_retries.inc, clock=self.clock)
+        # The concurrent engines' decode aborts: the local decode worker (configured, never from a request),
+        # in a pool of its own so an abort never waits for a prefill connection slot. Same bounds; no TLS
+        # (the decode target never uses it).
+        self.decode_control = WorkerClient(limits, self.policy, clock=self.clock)
         self.tracing = _tracing(settings)
         self.background = BackgroundPrefills(self.clock)
         try:
@@ -141,8 +148,8 @@ class ExtProcServer:
         self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.clock, self.block,
                                           0 if role is None else role.index)
         self.processor = PdProcessor(
-            adapter, self.prefill, clock=self.clock, max_request_bytes=settings.max_request_bytes,
-            admission=self.admission,
+            adapter, self.prefill_client, decode_control=self.decode_control, clock=self.clock,
+            max_request_bytes=settings.max_request_bytes, admission=self.admission,
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
             fallback=settings.prefill_fallback == "aggregated",
             serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
@@ -154,7 +161,7 @@ class ExtProcServer:
         self.metrics.background_prefills.set_function(lambda: len(self.background))
         self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
         self.metrics.inspections_waiting.set_function(lambda: self.processor.inspector.waiting)
-        self.metrics.prefill_idle_connections.set_function(self.prefill.idle_connections)
+        self.metrics.prefill_idle_connections.set_function(self.prefill_client.idle_connections)
         self.health = HealthServicer()
         self.http = HttpServer(self._http)
         self.metrics_port = 0
@@ -234,7 +241,8 @@ class ExtProcServer:
         await self.background.drain(grace_ends - self.clock.now())
         if isinstance(self.decode_queue, DecodeQueueWatch):
             await self.decode_queue.stop()
-        await self.prefill.aclose()
+        await self.prefill_client.aclose()
+        await self.decode_control.aclose()
         await self.decode.stop()
         self.processor.inspector.close()
         await self.http.close()

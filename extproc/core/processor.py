@@ -1,9 +1,10 @@
 """One HTTP request's P/D decision: head checks, prefill leg, handoff, decode body. No engine knowledge.
 
 The processor sequences the pure steps (prefill_target, openai_request, the adapter) around the I/O
-steps, which it asks of a ``Transport`` (target resolution, the prefill call, discovery, a decode
-abort), and turns every outcome into an ext_proc response. It is the single place a PdError becomes a
-client-visible reply and the single place a request is logged and counted.
+steps, which it asks of two ``Transport``s: the prefill client (target resolution, the prefill call,
+discovery) and the decode control client (a decode abort). It turns every outcome into an ext_proc
+response: it is the single place a PdError becomes a client-visible reply and the single place a
+request is logged and counted.
 
 Sequential engines: prefill, then ``decide``, then the body mutation (or a direct answer).
 Concurrent engines: the decode body goes back at once and the prefill request runs in the background,
@@ -101,8 +102,9 @@ class PdProcessor:
     def __init__(
         self,
         adapter: Adapter | Disabled,
-        transport: Transport,
+        prefill: Transport,
         *,
+        decode_control: Transport,
         clock: Clock,
         max_request_bytes: int,
         admission: Admission,
@@ -117,7 +119,8 @@ class PdProcessor:
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
         self._adapter = adapter
-        self._transport = transport
+        self._prefill = prefill
+        self._decode_control = decode_control  # the local decode worker's abort requests
         self._clock = clock
         self._now = clock.now
         self._admission = admission
@@ -139,7 +142,7 @@ class PdProcessor:
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         # The paths the adapter serves P/D (gateway mode passes every other request through).
         self.pd_paths = paths_of(adapter.endpoints)
-        self._server_info = ServerInfoCache(transport, adapter.discovery_headers, keep=adapter.server_info_keys,
+        self._server_info = ServerInfoCache(prefill, adapter.discovery_headers, keep=adapter.server_info_keys,
                                             clock=clock)
 
     @staticmethod
@@ -161,7 +164,7 @@ class PdProcessor:
             if self._decode_queue is not None and self._decode_queue.over_limit():
                 self._metrics.decode_queue_sheds.labels(self._adapter_name).inc()
                 raise PdError(Code.PD_OVERLOADED)  # before any prefill: its KV would wait past the lease
-            target: ResolvedTarget | PdError = await self._transport.resolve(parse_prefill_target(head.values(HEADER)))
+            target: ResolvedTarget | PdError = await self._prefill.resolve(parse_prefill_target(head.values(HEADER)))
         except PdError as error:
             if not (self._fallback and error.allows_fallback):
                 return self._refuse(record, error)
@@ -324,7 +327,8 @@ class PdProcessor:
         accepted = False
         for wait in (*ABORT_RETRY_WAITS, None):
             try:
-                reply = await self._transport.post(resolved(self._decode), plan.abort.path, headers, plan.abort.body)
+                reply = await self._decode_control.post(resolved(self._decode), plan.abort.path, headers,
+                                                         plan.abort.body)
             except PdError as error:
                 log.warning("decode abort failed", extra={"request_id": record.request_id, "code": error.code.value})
             except Exception:  # a bug: the next try may still end decode
@@ -361,10 +365,10 @@ class PdProcessor:
                             bounds: Bounds | None = None) -> WorkerReply:
         headers = prefill_headers(head.headers, self._stripped_headers)
         if record.trace is None:
-            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
+            return await self._prefill.post(target, request.path, headers, body, record.prefill, bounds)
         headers = record.trace.start_prefill(headers)
         try:
-            return await self._transport.post(target, request.path, headers, body, record.prefill, bounds)
+            return await self._prefill.post(target, request.path, headers, body, record.prefill, bounds)
         finally:
             record.trace.end_prefill(record.prefill.status)
 

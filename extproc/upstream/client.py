@@ -1,7 +1,11 @@
-"""The prefill HTTP client: target resolution under the policy, pooled connections, bounded reads,
+"""The workers' HTTP client: target resolution under the policy, pooled connections, bounded reads,
 one deadline, and failures classified once.
 
-This is the only module that talks to prefill workers. Every failure becomes a PdError here:
+This is the only module that talks to workers. app.py builds one ``WorkerClient`` per job, each named
+for it: the prefill client (prefill requests, target resolution, server-info discovery), the decode
+control client (a concurrent engine's decode aborts) and the decode scraper (the decode-queue watch's
+metrics page). The codes below say "prefill" because the prefill client is where a client can see
+them. Every failure becomes a PdError here:
   * the target is outside the prefill policy                             -> prefill_target_forbidden
   * nothing answered in time (connect, a read gap, or the total deadline) -> prefill_upstream_timeout
   * no address, or the connection failed or broke before a response head -> prefill_upstream_unavailable
@@ -94,7 +98,8 @@ class _Stale(Exception):
 
 
 class WorkerClient:
-    """One pooled client for every prefill worker. Create inside the running loop; ``aclose`` on shutdown."""
+    """One pooled client to workers (the pool is per address). Create inside the running loop; ``aclose``
+    on shutdown."""
 
     def __init__(self, limits: WorkerLimits, policy: PrefillPolicy, tls: WorkerTls | None = None,
                  on_retry: Callable[[], None] | None = None, *, clock: Clock) -> None:

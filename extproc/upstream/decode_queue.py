@@ -52,14 +52,14 @@ class QueueLimit(Protocol):
 
 
 class DecodeQueueWatch:
-    """Owns the last reading and the transport it reads with (closed by ``stop``). ``waiting`` is what
+    """Owns the last reading and the decode scraper it reads with (closed by ``stop``). ``waiting`` is what
     the limit and the gauge both see; ``on_failure`` counts each scrape that gave no reading; a
     failure is logged when readings stop, not every time."""
 
-    def __init__(self, transport: Transport, decode: ResolvedTarget | DecodeTarget, gauges: QueueGauges, limit: int,
+    def __init__(self, scraper: Transport, decode: ResolvedTarget | DecodeTarget, gauges: QueueGauges, limit: int,
                  interval: float, clock: Clock, on_failure: Callable[[str], None] = lambda _: None,
                  on_reading: Callable[[float, float], None] | None = None) -> None:
-        self._transport = transport
+        self._scraper = scraper
         self._decode = decode
         self._gauges = gauges
         self._limit = limit
@@ -84,7 +84,7 @@ class DecodeQueueWatch:
         """One scrape, bounded by the interval (a slow page must not hold the last reading past it)."""
         try:
             async with self._clock.timeout(self._interval):
-                reply = await self._transport.get(resolved(self._decode), self._gauges.path, ())
+                reply = await self._scraper.get(resolved(self._decode), self._gauges.path, ())
         except TimeoutError:
             self._failed("timeout")
             return
@@ -129,4 +129,4 @@ class DecodeQueueWatch:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._transport.aclose()
+        await self._scraper.aclose()

@@ -1,7 +1,8 @@
 """The seam under the processor: everything it asks of the network, as one small protocol.
 
-``upstream.WorkerClient`` is the real one (extproc/upstream/http1.py); tests use an in-memory fake. A transport raises
-only PdError (classified once, in the transport); any other exception is a bug.
+``upstream.client.WorkerClient`` is the real one (app.py's prefill client, decode control client and
+decode scraper); tests use ``FakeTransport``. A transport raises only PdError (classified once, in the
+transport); any other exception is a bug.
 """
 
 from __future__ import annotations

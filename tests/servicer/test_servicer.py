@@ -51,7 +51,8 @@ async def with_harness(test: Callable[[Harness], Awaitable[None]], **env: str) -
     finally:
         await channel.close()
         await server.grpc.stop(0)
-        await server.prefill.aclose()
+        await server.prefill_client.aclose()
+        await server.decode_control.aclose()
         await server.http.close()
         server.processor.inspector.close()
         await prefill.close()

@@ -316,7 +316,8 @@ def test_a_responses_variant_kept_on_one_worker_is_served_whole_with_the_setting
     """PD_EXTPROC_UNSUPPORTED_VARIANTS=aggregated: a previous_response_id request goes to decode exactly as
     sent (the worker that stored the earlier response is the one that serves it), no prefill leg."""
     r = rig(VllmNixlAdapter())
-    processor = PdProcessor(VllmNixlAdapter(), r.transport, clock=r.clock, max_request_bytes=1 << 20,
+    processor = PdProcessor(VllmNixlAdapter(), r.transport, decode_control=r.transport, clock=r.clock,
+                            max_request_bytes=1 << 20,
                             admission=r.admission,
                             metrics=r.metrics, background=r.background, decode=DECODE, serve_unsupported=True)
     raw = b'{"input": "x", "previous_response_id": "resp_1",  "store": true}'

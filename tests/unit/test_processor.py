@@ -54,12 +54,13 @@ class Rig:
 
 
 def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None) -> Rig:
-    """A processor over a FakeTransport and a FakeClock: its time moves only when the test advances it."""
+    """A processor over a FakeTransport (its prefill client and its decode control client: one record of
+    every call, in order) and a FakeClock (its time moves only when the test advances it)."""
     transport, admission, metrics, clock = FakeTransport(), Admission(limit), Metrics(), FakeClock()
     background = BackgroundPrefills(clock)
-    processor = PdProcessor(adapter, transport, clock=clock, max_request_bytes=1 << 20, admission=admission,
-                            metrics=metrics, background=background, decode=DECODE, fallback=fallback,
-                            tracing=tracing, nonce=lambda: 0x1234)
+    processor = PdProcessor(adapter, transport, decode_control=transport, clock=clock, max_request_bytes=1 << 20,
+                            admission=admission, metrics=metrics, background=background, decode=DECODE,
+                            fallback=fallback, tracing=tracing, nonce=lambda: 0x1234)
     return Rig(processor, transport, admission, metrics, background, clock)
 
 
