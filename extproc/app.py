@@ -25,6 +25,7 @@ from extproc.clock import Clock, MonotonicClock
 from extproc.config import ConfigError, Settings
 from extproc.core.admission import Admission
 from extproc.core.background import BackgroundPrefills
+from extproc.core.headers import PICKER_HEADERS
 from extproc.core.inspector import Inspector, pool_size
 from extproc.core.prefill_policy import PrefillPolicy
 from extproc.core.processor import PdProcessor
@@ -153,6 +154,7 @@ class ExtProcServer:
             metrics=self.metrics, background=self.background, decode=decode, decode_queue=self.decode_queue,
             fallback=settings.prefill_fallback == "aggregated",
             serve_unsupported=settings.unsupported_variants == "aggregated", tracing=self.tracing,
+            strip_before_decode=PICKER_HEADERS if settings.mode == "gateway" else (),
             inspector=Inspector(PdProcessor.inspection_rules(adapter, settings.max_request_bytes),
                                 workers=pool_size(settings.max_inflight, 1 if role is None else role.workers),
                                 max_waiting=settings.max_inflight),

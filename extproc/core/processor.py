@@ -19,7 +19,7 @@ import hashlib
 import logging
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,7 +117,10 @@ class PdProcessor:
         tracing: Tracing | None = None,
         inspector: Inspector | None = None,
         nonce: Callable[[], int] = lambda: secrets.randbits(63),
+        strip_before_decode: Iterable[str] = (),
     ) -> None:
+        """``strip_before_decode``: headers every decode request loses besides the adapter's and the steering
+        ones (gateway mode: the endpoint picker's, which the gateway's route may not remove itself)."""
         self._adapter = adapter
         self._prefill = prefill
         self._decode_control = decode_control  # the local decode worker's abort requests
@@ -138,7 +141,7 @@ class PdProcessor:
         # What the adapter's route owns, once for the processor's life: the headers no leg receives from a
         # client (its fields are the inspection's rules).
         self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
-        self._stripped_sorted = tuple(sorted(self._stripped_headers))
+        self._stripped_sorted = tuple(sorted(self._stripped_headers | frozenset(strip_before_decode)))
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         # The paths the adapter serves P/D (gateway mode passes every other request through).
         self.pd_paths = paths_of(adapter.endpoints)

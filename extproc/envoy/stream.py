@@ -123,9 +123,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._processor.refuse_now(pending, Code.INTERNAL_ERROR), True
         outcome = await self._processor.on_body(stream.head, pending, body.body)
         stream.background, stream.phase = outcome.background, Phase.DECODE_ANSWER
-        if self._passthrough is not None:
-            return gateway.without_picker_headers(outcome.response), False
-        return outcome.response, False
+        return outcome.response, False  # as built: a reply may be shared, nothing here changes one
 
     async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE

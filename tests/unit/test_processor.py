@@ -53,14 +53,16 @@ class Rig:
                 if sample.name.endswith("_total")}
 
 
-def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None) -> Rig:
+def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None,
+        strip_before_decode: frozenset[str] = frozenset()) -> Rig:
     """A processor over a FakeTransport (its prefill client and its decode control client: one record of
     every call, in order) and a FakeClock (its time moves only when the test advances it)."""
     transport, admission, metrics, clock = FakeTransport(), Admission(limit), Metrics(), FakeClock()
     background = BackgroundPrefills(clock)
     processor = PdProcessor(adapter, transport, decode_control=transport, clock=clock, max_request_bytes=1 << 20,
                             admission=admission, metrics=metrics, background=background, decode=DECODE,
-                            fallback=fallback, tracing=tracing, nonce=lambda: 0x1234)
+                            fallback=fallback, tracing=tracing, nonce=lambda: 0x1234,
+                            strip_before_decode=strip_before_decode)
     return Rig(processor, transport, admission, metrics, background, clock)
 
 
