@@ -4,6 +4,8 @@ Accepted: exactly one value, ``host:port`` or ``[ipv6]:port``; host is an IPv4 a
 name; port 1-65535 in plain decimal. Refused: an absent-but-empty value, repeats, comma lists,
 whitespace, userinfo, paths, queries, fragments, percent-encoding, zone ids, leading zeros in the
 port. Nothing is tried: a refused value never opens a connection.
+
+``PrefillTargets`` is the processor's parser: the same, remembering the targets of values it accepted.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 from collections.abc import Sequence
 
 from extproc.errors import Code, PdError
+from extproc.lru import Lru
 from extproc.upstream.transport import WorkerAddress
 
 HEADER = "x-prefiller-host-port"
@@ -20,26 +23,33 @@ HEADER = "x-prefiller-host-port"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _NAME = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
 _PORT = re.compile(r"[1-9][0-9]{0,4}")
-
-
-# Values already accepted, with their (immutable) targets: a decode pod sees the same few prefill
-# workers again and again. Bounded; refused values are never kept.
-_ACCEPTED: dict[str, WorkerAddress] = {}
-_ACCEPTED_MAX = 1024
+ACCEPTED_ENTRIES = 1024  # accepted values remembered at most (least recently used dropped first)
 
 
 def parse_prefill_target(values: Sequence[str]) -> WorkerAddress:
     """Parse the header's values (every occurrence, as received). Raises PdError(invalid_prefill_target)."""
     if len(values) != 1:
         raise PdError(Code.INVALID_PREFILL_TARGET)
-    value = values[0]
-    target = _ACCEPTED.get(value)
-    if target is None:
-        target = _parse(value)
-        if len(_ACCEPTED) >= _ACCEPTED_MAX:
-            _ACCEPTED.clear()
-        _ACCEPTED[value] = target
-    return target
+    return _parse(values[0])
+
+
+class PrefillTargets:
+    """``parse_prefill_target`` remembering the (immutable) targets of the values it accepted: a decode pod
+    sees the same few prefill workers again and again. Refused values are parsed, and refused, every
+    time. One per processor."""
+
+    def __init__(self, entries: int = ACCEPTED_ENTRIES) -> None:
+        self.accepted: Lru[str, WorkerAddress] = Lru(entries)
+
+    def parse(self, values: Sequence[str]) -> WorkerAddress:
+        if len(values) != 1:
+            raise PdError(Code.INVALID_PREFILL_TARGET)
+        value = values[0]
+        target = self.accepted.get(value)
+        if target is None:
+            target = _parse(value)
+            self.accepted.put(value, target)
+        return target
 
 
 def _parse(value: str) -> WorkerAddress:

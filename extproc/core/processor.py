@@ -43,7 +43,7 @@ from extproc.core.headers import prefill_headers
 from extproc.core.inspection import Rules
 from extproc.core.inspector import Inspector
 from extproc.core.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
-from extproc.core.prefill_target import HEADER, parse_prefill_target
+from extproc.core.prefill_target import HEADER, PrefillTargets
 from extproc.core.steering import STEERING_HEADER_NAMES
 from extproc.envoy import messages as msg
 from extproc.errors import Code, PdError
@@ -135,6 +135,7 @@ class PdProcessor:
         self._serve_unsupported = serve_unsupported
         self._tracing = tracing
         self._nonce = nonce
+        self._targets = PrefillTargets()
         # The gauge reads the admission count, its one owner, at scrape time (no lock per request).
         metrics.inflight.set_function(lambda: admission.inflight)
         self._adapter_name = adapter.name
@@ -167,7 +168,7 @@ class PdProcessor:
             if self._decode_queue is not None and self._decode_queue.over_limit():
                 self._metrics.decode_queue_sheds.labels(self._adapter_name).inc()
                 raise PdError(Code.PD_OVERLOADED)  # before any prefill: its KV would wait past the lease
-            target: ResolvedTarget | PdError = await self._prefill.resolve(parse_prefill_target(head.values(HEADER)))
+            target: ResolvedTarget | PdError = await self._prefill.resolve(self._targets.parse(head.values(HEADER)))
         except PdError as error:
             if not (self._fallback and error.allows_fallback):
                 return self._refuse(record, error)

@@ -37,6 +37,7 @@ from extproc.core.prefill_policy import PrefillPolicy, first_allowed
 from extproc.core.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
 from extproc.core.relayed_error import RELAYED_STATUSES
 from extproc.errors import Code, PdError
+from extproc.lru import Lru
 from extproc.upstream import http1
 from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
@@ -48,7 +49,7 @@ from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, 
 # the race at the limit), the request is sent once more on a new connection, but only if the reused
 # connection ended before any byte of a response: see _request_head.
 KEEPALIVE_SECONDS = 4.0
-CHECKED_TARGETS_MAX = 1024  # IP targets already allowed by the (fixed) policy, kept to skip its check
+CHECKED_TARGETS_MAX = 1024  # IP targets the (fixed) policy allowed, kept to skip its check (LRU)
 
 
 class Phase(Enum):
@@ -111,7 +112,7 @@ class WorkerClient:
         self._policy = policy
         self._tls = tls
         self._idle: dict[_PoolKey, list[http1.Connection]] = {}
-        self._checked: dict[WorkerAddress, ResolvedTarget] = {}
+        self._checked: Lru[WorkerAddress, ResolvedTarget] = Lru(CHECKED_TARGETS_MAX)
         self._slots: asyncio.Semaphore | None = None  # connections in use, at most max_connections
         self._swept = clock.now()
         self._open = True
@@ -134,9 +135,7 @@ class WorkerClient:
                 if not self._policy.allows_address(target.ip, target.port):
                     raise PdError(Code.PREFILL_TARGET_FORBIDDEN)
                 checked = ResolvedTarget(target, target.ip, tls=self._tls is not None)
-                if len(self._checked) >= CHECKED_TARGETS_MAX:
-                    self._checked.clear()
-                self._checked[target] = checked
+                self._checked.put(target, checked)
             return checked
         name_allowed = self._policy.allows_name(target.host, target.port)
         try:
