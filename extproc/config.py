@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cache
+from types import MappingProxyType
 from typing import Any
 
 from extproc.adapters import KILL_SWITCH, engines, protocol_problem
@@ -230,8 +231,8 @@ def specs() -> tuple[SettingSpec, ...]:
 
 
 @cache
-def _spec_by_env() -> dict[str, SettingSpec]:
-    return {spec.env: spec for spec in specs()}
+def _spec_by_env() -> Mapping[str, SettingSpec]:
+    return MappingProxyType({spec.env: spec for spec in specs()})
 
 
 # Settings only Envoy's bootstrap (envoy/bootstrap.py) or `up` use: `serve` has no flags for them.

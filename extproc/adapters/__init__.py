@@ -1,6 +1,8 @@
 """The engine registry: the built-in engines, plus any installed package's ``pd_extproc.engines`` entry
 points (each names an ``Engine``). ``none`` is the kill switch (no adapter). The registry is read on
 first use, not at import, so a broken plugin is an ``EngineLoadError`` the CLI reports in one line.
+What is installed does not change while the process runs, so it is read once per process and kept
+read-only (a mapping nobody can change, of frozen ``Engine`` values): a constant, not shared state.
 
 Adding an engine is its module (an ``ENGINE``, its adapter), its emulator module and its tests: this
 registry, the settings, the CLI and the stack read everything else from the ``Engine``.
@@ -12,6 +14,7 @@ import importlib
 from collections.abc import Mapping
 from functools import cache
 from importlib.metadata import entry_points
+from types import MappingProxyType
 
 from extproc.adapters.base import Adapter, Disabled, Engine, Flow, Options
 
@@ -43,14 +46,15 @@ def _discover() -> dict[str, Engine]:
 
 @cache
 def engines() -> Mapping[str, Engine]:
-    """Every registered engine by adapter name (built-ins first); raises EngineLoadError for a broken plugin."""
-    return _discover()
+    """Every registered engine by adapter name (built-ins first), read-only; raises EngineLoadError for a
+    broken plugin."""
+    return MappingProxyType(_discover())
 
 
 @cache
 def by_engine() -> Mapping[str, Engine]:
     """The same engines by inference engine name (vllm, sglang, trtllm), for `pd-extproc emulate --engine`."""
-    return {engine.engine: engine for engine in reversed(list(engines().values()))}
+    return MappingProxyType({engine.engine: engine for engine in reversed(list(engines().values()))})
 
 
 def adapter_flow(adapter: str) -> Flow | None:
