@@ -178,17 +178,52 @@ def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(nam
     result = run_offline(name, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rendered = sorted(tmp_path.glob("*.yaml"))
-    engines = ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"] if name == "envoy-gateway" else []
-    assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines])
+    engines = {"envoy-gateway": ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"], "istio": ["my-pd-istio-sglang.yaml"]}
+    assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines[name]])
     for path in rendered:
         docs = _rendered(path)
         assert not _problems(docs), "\n".join(_problems(docs))
+        if path.name in ("my-pd.yaml", "my-pd-sidecar.yaml") and (name, path.name) != ("istio", "my-pd-sidecar.yaml"):
+            # The pull-secret patch the page shows reaches every pod that runs the pd-extproc image.
+            assert _pulling_our_image(docs) and all(secrets == [{"name": "regcred"}]
+                                                    for secrets in _pulling_our_image(docs).values())
+        engine = path.stem.removeprefix("my-pd-").removeprefix("istio-")
+        if engine in ("sglang", "trtllm"):
+            _check_engine_render(docs, engine, istio=path.stem.startswith("my-pd-istio-"))
         settings = [doc for doc in docs if doc["kind"] == "ConfigMap"
                     and doc["metadata"]["name"].startswith(("pd-extproc-settings-", "pd-extproc-gateway-settings-"))]
         assert len(settings) == 1 and settings[0]["data"]["PD_EXTPROC_PREFILL_ALLOW"] == "192.168.0.0/16:8000"
         models = [doc["data"]["MODEL"] for doc in docs
                   if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("pd-model-")]
         assert models == ["Qwen/Qwen3-8B"]
-        engine = path.stem.removeprefix("my-pd-")
         if engine in ("sglang", "trtllm"):
             assert settings[0]["data"]["PD_EXTPROC_ADAPTER"] == engine
+
+
+def _pulling_our_image(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deployment name -> its imagePullSecrets, for the Deployments that run the pd-extproc image."""
+    found = {}
+    for doc in docs:
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {}) if doc["kind"] == "Deployment" else {}
+        if any(c["image"] == IMAGE for c in pod.get("containers", []) + pod.get("initContainers", [])):
+            found[doc["metadata"]["name"]] = pod.get("imagePullSecrets")
+    return found
+
+
+def _check_engine_render(docs: list[dict[str, Any]], engine: str, istio: bool) -> None:
+    """An engine overlay's render: the engine runs both roles, behind the gateway the page names."""
+    container = {"sglang": "sglang", "trtllm": "trtllm"}[engine]
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] in ("pd-decode", "pd-prefill"):
+            assert doc["spec"]["template"]["spec"]["containers"][0]["name"] == container, doc["metadata"]["name"]
+    [gateway] = [doc for doc in docs if doc["kind"] == "Gateway"]
+    assert (gateway["spec"]["gatewayClassName"] == "istio") == istio, gateway["spec"]
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_operator_pages_keep_source_citations_out(name: str) -> None:
+    """file:line citations of other projects' source belong in docs/gateway-chains.md (developer docs); an
+    install page names the version and says why in a line."""
+    citations = re.findall(r"[\w./-]+\.(?:go|sh|py|ya?ml|md):\d+", _page(name))
+    assert not citations, citations
+    assert not re.search(r"` @ v?\d", _page(name)), "a source file pinned at a tag: move it to gateway-chains.md"
