@@ -143,7 +143,7 @@ $(PACKAGING_VENV)/.installed: tests/packaging/requirements.txt
 	$(PACKAGING_VENV)/bin/pip install -q -r tests/packaging/requirements.txt
 	touch $@
 
-# The release files: dist/pd-extproc-<version>.tar.gz and dist/pd_extproc-<version>-py3-none-any.whl.
+# The release files: dist/pd_extproc-<version>.tar.gz and dist/pd_extproc-<version>-py3-none-any.whl.
 dist: packaging-tools
 	rm -rf dist
 	$(PACKAGING_VENV)/bin/python -m build --outdir dist .

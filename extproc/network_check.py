@@ -4,7 +4,7 @@ The Kubernetes manifests give pd-extproc its pod's address (``POD_IP``, from the
 the gateway's pods live in the same pod network, so a ``PD_EXTPROC_PREFILL_ALLOW`` or
 ``PD_EXTPROC_TRUSTED_SOURCES`` that does not contain that address was most likely left at the shipped
 ``10.0.0.0/8`` on a cluster whose pods live elsewhere (192.168.0.0/16, 172.16.0.0/12, 100.64.0.0/10): every P/D
-request would then be refused (403 prefill_target_forbidden) or quietly served without P/D. The check is a
+request would then be refused (403 prefill_target_forbidden). The check is a
 warning, not a refusal: a deliberately narrower range (the prefill pods' own subnet) is legitimate.
 """
 
@@ -43,6 +43,7 @@ def network_warnings(settings: Settings, pod_ip: str | None) -> list[str]:
             and not _contains(settings.trusted_sources, address):
         warnings.append(
             f"PD_EXTPROC_TRUSTED_SOURCES ({', '.join(str(n) for n in settings.trusted_sources)}) does not contain "
-            f"this pod's address {address}: a gateway in the pod network would be untrusted and its requests served "
-            "without P/D (counted as envoy_pd_untrusted_picker_header_rq); set your pod CIDR or the gateway's range")
+            f"this pod's address {address}: a gateway in the pod network would be untrusted and its P/D requests "
+            "refused 403 prefill_target_forbidden (counted as envoy_pd_untrusted_picker_header_rq); set your pod "
+            "CIDR or the gateway's range")
     return warnings

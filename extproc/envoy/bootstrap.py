@@ -55,10 +55,14 @@ _STATS_LOG = "type.googleapis.com/envoy.extensions.access_loggers.stats.v3.Confi
 TIMING_STAT_PREFIX = "pd"
 TTFT_STAT = "time_to_first_token_ms"
 DECODE_STAT = "decode_ms"
-# The untrusted chain's route for a request that carries the picker's header from a peer outside
-# trusted_sources: served as a passthrough like any other, but logged under this route name and counted
-# (envoy_pd_untrusted_picker_header_rq), so a gateway missing from PD_EXTPROC_TRUSTED_SOURCES is loud.
+# The untrusted chain's routes for a request that carries the picker's header from a peer outside
+# trusted_sources. A P/D request (what the pd route would match) is refused 403 prefill_target_forbidden, as
+# the --parts' RBAC refuses it: no implicit fallback to a decode-only answer (a wrong PD_EXTPROC_TRUSTED_SOURCES
+# shows at the first request, not as a silent loss of disaggregation); any other path with the header is a
+# passthrough without it. Both are logged under these route names and counted
+# (envoy_pd_untrusted_picker_header_rq).
 UNTRUSTED_PICKER_ROUTE = "untrusted_picker_header"
+UNTRUSTED_PICKER_PASSTHROUGH_ROUTE = "untrusted_picker_header_passthrough"
 UNTRUSTED_PICKER_STAT = "untrusted_picker_header_rq"
 # response.flags == 0: a stream the client abandoned keeps "via_upstream" but has no US_RX_END.
 def _pd_served(route_name: str) -> str:
@@ -130,6 +134,12 @@ def _is_ip(host: str) -> bool:
 def _cel_filter(expression: str) -> dict[str, Any]:
     return {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel",
                                  "typed_config": {_TYPE: _CEL_FILTER, "expression": expression}}}
+
+
+# An untrusted peer that names a prefill target: the untrusted chain's direct 403 (and the parts' RBAC denial).
+UNTRUSTED_REFUSAL_RULE: LocalReplyRule = (
+    f"xds.route_name == '{UNTRUSTED_PICKER_ROUTE}' || response.code_details.startsWith('rbac_access_denied')",
+    Code.PREFILL_TARGET_FORBIDDEN, False)
 
 
 def _local_reply_config(rules: tuple[LocalReplyRule, ...] = _LOCAL_REPLY_RULES) -> dict[str, Any]:
@@ -204,19 +214,21 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "route": _route_common(settings),
         "request_headers_to_remove": sorted(PICKER_HEADERS),
     })
+    pd_match = {
+        "safe_regex": {"regex": pd_paths.path_regex(pd_paths.served(settings.adapter))},
+        "headers": [
+            {"name": ":method", "string_match": {"exact": PD_METHOD}},
+            {"name": PREFILL_TARGET_HEADER, "present_match": True},
+        ],
+    }
     if not pd_enabled:
-        counted = {**passthrough, "name": UNTRUSTED_PICKER_ROUTE,
+        refused = {"name": UNTRUSTED_PICKER_ROUTE, "match": pd_match, "direct_response": {"status": 403}}
+        counted = {**passthrough, "name": UNTRUSTED_PICKER_PASSTHROUGH_ROUTE,
                    "match": {"prefix": "/", "headers": [{"name": PREFILL_TARGET_HEADER, "present_match": True}]}}
-        return [counted, passthrough]
+        return [refused, counted, passthrough]
     pd_route = {
         "name": "pd",
-        "match": {
-            "safe_regex": {"regex": pd_paths.path_regex(pd_paths.served(settings.adapter))},
-            "headers": [
-                {"name": ":method", "string_match": {"exact": PD_METHOD}},
-                {"name": PREFILL_TARGET_HEADER, "present_match": True},
-            ],
-        },
+        "match": pd_match,
         "route": _route_common(settings),
         "request_body_buffer_limit": settings.max_request_bytes,
         "request_headers_to_remove": sorted(PICKER_HEADERS),
@@ -255,10 +267,11 @@ def timing_logs(route_name: str = "pd") -> list[dict[str, Any]]:
     ]
 
 
-def _untrusted_picker_log() -> dict[str, Any]:
-    """One count per request the untrusted chain served on UNTRUSTED_PICKER_ROUTE."""
+def untrusted_picker_log(expression: str = f"xds.route_name.startsWith('{UNTRUSTED_PICKER_ROUTE}')") -> dict[str, Any]:
+    """One count per request the untrusted chain refused or served on the UNTRUSTED_PICKER_* routes (the
+    parts: per RBAC refusal on the pd route, ``expression``)."""
     return {"name": "envoy.access_loggers.stats",
-            "filter": _cel_filter(f"xds.route_name == '{UNTRUSTED_PICKER_ROUTE}'"),
+            "filter": _cel_filter(expression),
             "typed_config": {_TYPE: _STATS_LOG, "stats_scope": {"prefix": TIMING_STAT_PREFIX},
                              "counters": [{"stat": {"name": UNTRUSTED_PICKER_STAT}, "value_fixed": 1}]}}
 
@@ -305,8 +318,9 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
                 "upstream": "%UPSTREAM_HOST%",
                 "pd_fallback": f"%DYNAMIC_METADATA({METADATA_NAMESPACE}:fallback)%",
             }}},
-        }, *(timing_logs() if pd_enabled else [_untrusted_picker_log()])],
-        "local_reply_config": _local_reply_config(),
+        }, *(timing_logs() if pd_enabled else [untrusted_picker_log()])],
+        "local_reply_config": _local_reply_config(
+            _LOCAL_REPLY_RULES if pd_enabled else (UNTRUSTED_REFUSAL_RULE, *_LOCAL_REPLY_RULES)),
         "route_config": {"name": "pd" if pd_enabled else "passthrough_only", "virtual_hosts": [
             {"name": "decode", "domains": ["*"], "routes": _routes(settings, pd_enabled)}]},
         "http_filters": filters,
@@ -314,8 +328,9 @@ def _connection_manager(settings: Settings, pd_enabled: bool) -> dict[str, Any]:
 
 
 def _filter_chains(settings: Settings) -> list[dict[str, Any]]:
-    """With trusted_sources, only those peers may use the P/D route; everyone else gets a chain
-    without it, where x-prefiller-host-port is dropped and the request is a plain passthrough."""
+    """With trusted_sources, only those peers may use the P/D route; everyone else gets a chain without it,
+    where a P/D request naming a prefill target is refused 403 and x-prefiller-host-port is dropped from any
+    other request, which is a plain passthrough."""
     hcm_filter = "envoy.filters.network.http_connection_manager"
     trusted: dict[str, Any] = {"filters": [
         {"name": hcm_filter, "typed_config": _connection_manager(settings, True)}]}

@@ -9,7 +9,8 @@ picker's, enabled on the whole inference route, plus what that route needs (docs
 
 The parts cannot add a filter chain to the user's listener, so the bootstrap's trusted-sources split (a
 chain without the pd route for other peers) becomes an RBAC check on the pd route: a peer outside
-PD_EXTPROC_TRUSTED_SOURCES that names a prefill target is refused 403 prefill_target_forbidden.
+PD_EXTPROC_TRUSTED_SOURCES that names a prefill target is refused 403 prefill_target_forbidden, as the
+bootstrap's other chain refuses it.
 
 Every local-reply mapper is scoped to our route by name (CEL ``xds.route_name``), so it never rewrites
 the errors of the Envoy's other routes; put them before the Envoy's own mappers (the first match wins,
@@ -39,12 +40,14 @@ from extproc.envoy.bootstrap import (
     EXT_PROC_FAILED,
     EXT_PROC_FILTER,
     FALLBACK_HEADER,
+    UNTRUSTED_REFUSAL_RULE,
     LocalReplyRule,
     _local_reply_config,
     body_limit_filter,
     render,
     stats_config,
     timing_logs,
+    untrusted_picker_log,
 )
 from extproc.envoy.gateway import PASSTHROUGH_MODE
 from extproc.envoy.guard import guard_filter, stripped_headers
@@ -113,15 +116,13 @@ def _scoped(mappers: list[dict[str, Any]], route_name: str) -> list[dict[str, An
 RBAC_FILTER = "envoy.filters.http.rbac"
 _RBAC = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 _RBAC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBACPerRoute"
-_UNTRUSTED_RULE: LocalReplyRule = ("response.code_details.startsWith('rbac_access_denied')",
-                                   Code.PREFILL_TARGET_FORBIDDEN, False)
 
 
 def local_reply_mappers(route_name: str, trusted: bool = False) -> list[dict[str, Any]]:
     """The bootstrap's local-reply mappers (Envoy's own errors -> our JSON errors; our and the guard's
     replies left alone), each also conditioned on ``route_name``: nothing on any other route. ``trusted``:
     the RBAC refusal of an untrusted peer first."""
-    rules = (_UNTRUSTED_RULE, *_LOCAL_REPLY_RULES) if trusted else _LOCAL_REPLY_RULES
+    rules = (UNTRUSTED_REFUSAL_RULE, *_LOCAL_REPLY_RULES) if trusted else _LOCAL_REPLY_RULES
     return _scoped(_local_reply_config(rules)["mappers"], route_name)  # a fresh copy each call
 
 
@@ -174,7 +175,9 @@ def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> d
         "virtual_host_additions": _other_routes(settings),
         "clusters": [_named(bootstrap, EXT_PROC_CLUSTER, "load_assignment")],
         "local_reply_mappers": local_reply_mappers(SIDECAR_ROUTE, trusted=bool(settings.trusted_sources)),
-        "access_log": timing_logs(SIDECAR_ROUTE),
+        "access_log": [*timing_logs(SIDECAR_ROUTE), *([untrusted_picker_log(
+            f"xds.route_name == '{SIDECAR_ROUTE}' && response.code_details.startsWith('rbac_access_denied')")]
+            if settings.trusted_sources else [])],
         "stats_config": stats_config(),
     }
     if not settings.trust_client_steering:

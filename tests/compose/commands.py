@@ -39,7 +39,8 @@ class Compose:
 
 @dataclass(frozen=True, slots=True)
 class Http:
-    """``curl -sS http://127.0.0.1:PORT/PATH [-H ...] [-d BODY] [| grep GREP]``: POST when it has a body."""
+    """``curl -sS [-i] http://127.0.0.1:PORT/PATH [-H ...] [-d BODY] [| grep GREP]``: POST when it has a body;
+    ``-i`` (show_headers) prints the status line and the response headers before the body."""
 
     port: str  # a key of PORT_VARIABLES
     path: str
@@ -47,13 +48,15 @@ class Http:
     body: str | None = None
     grep: str | None = None
     comment: str = ""
+    show_headers: bool = False
 
     @property
     def method(self) -> str:
         return "GET" if self.body is None else "POST"
 
     def readme(self) -> str:
-        parts = [f"curl -sS http://127.0.0.1:{DEFAULT_PORTS[self.port]}{self.path}"]
+        flags = "-sS -i" if self.show_headers else "-sS"
+        parts = [f"curl {flags} http://127.0.0.1:{DEFAULT_PORTS[self.port]}{self.path}"]
         parts += [f"-H {shlex.quote(f'{name}: {value}')}" for name, value in self.headers]
         if self.body is not None:
             parts.append(f"-d {shlex.quote(self.body)}")
@@ -68,14 +71,20 @@ UP = Compose(("up", "-d", "--wait"), "until healthy (podman 4.3 ignores --wait)"
 READY = Http("metrics", "/readyz", comment='{"status":"ready"} once pd-extproc serves')
 PD_REQUEST = Http("http", "/v1/chat/completions",
                   (("content-type", "application/json"), ("x-prefiller-host-port", PREFILL_TARGET)),
-                  '{"model":"emulated","messages":[{"role":"user","content":"Hello"}],"max_tokens":8}')
-DECODE_TRANSFERS = Http("http", "/metrics", grep="vllm:nixl_xfer_time_seconds_count",
-                        comment="decode's KV transfers (via Envoy)")
+                  '{"model":"emulated","messages":[{"role":"user","content":"Hello"}],"max_tokens":8}',
+                  show_headers=True)
+# pd-extproc's own counters, the same for every engine: the prefill legs it ran, and the P/D requests by
+# outcome (ok: the prefill leg answered, its handoff was valid and decode served the request with it).
+PREFILL_LEGS = Http("metrics", "/metrics", grep="pd_extproc_prefill_seconds_count",
+                    comment="prefill legs pd-extproc ran")
 PD_OUTCOMES = Http("metrics", "/metrics", grep="pd_extproc_requests_total", comment="pd-extproc's outcomes")
+# The engine's own proof that KV moved, per engine, which the page names after the block (vLLM's decode
+# worker counts its NIXL transfers; its /metrics is read through Envoy's passthrough route).
+VLLM_DECODE_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 STOP_ENVOY = Compose(("stop", "envoy"), "Envoy drains: requests in flight finish first")
 DOWN = Compose(("down", "--volumes"))
 
-README_STEPS: tuple[Step, ...] = (BUILD, UP, READY, PD_REQUEST, DECODE_TRANSFERS, PD_OUTCOMES, STOP_ENVOY, DOWN)
+README_STEPS: tuple[Step, ...] = (BUILD, UP, READY, PD_REQUEST, PREFILL_LEGS, PD_OUTCOMES, STOP_ENVOY, DOWN)
 
 # Steps the stage runs beyond README's (each service's own drain).
 STOP_SERVER = Compose(("stop", "pd-extproc"))

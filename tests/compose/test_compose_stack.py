@@ -16,15 +16,16 @@ import httpx
 import pytest
 
 from tests.compose.commands import (
-    DECODE_TRANSFERS,
     DOWN,
     PD_OUTCOMES,
     PD_REQUEST,
+    PREFILL_LEGS,
     PREFILL_TARGET,
     READY,
     START_SERVER,
     STOP_ENVOY,
     STOP_SERVER,
+    VLLM_DECODE_TRANSFERS,
     Compose,
 )
 from tests.compose.project import ComposeProject, Ran, poll, port_is_free, wait_until_serving
@@ -44,7 +45,7 @@ SLOW_PREFILL = {"delay": 3}
 def decode_transfers(stack: ComposeProject) -> float:
     """KV transfers the decode worker completed, as its engine reports them."""
     if stack.engine == "vllm":
-        return stack.metric("http", DECODE_TRANSFERS.grep or "")
+        return stack.metric("http", VLLM_DECODE_TRANSFERS)
     if stack.engine == "sglang":
         return stack.metric("http", "emulator_kv_transfers_total")
     # trtllm-serve's /metrics is a JSON list of iteration stats: count the generation requests whose KV loaded
@@ -53,6 +54,10 @@ def decode_transfers(stack: ComposeProject) -> float:
 
 def ok_outcomes(stack: ComposeProject) -> float:
     return stack.metric("metrics", PD_OUTCOMES.grep or "", 'outcome="ok"')
+
+
+def prefill_legs(stack: ComposeProject) -> float:
+    return stack.metric("metrics", PREFILL_LEGS.grep or "", 'phase="total"')
 
 
 def body(**changes: Any) -> str:
@@ -103,14 +108,16 @@ def assert_served_by_both_legs(stack: ComposeProject, response: httpx.Response) 
 
 
 def test_pd_request_runs_prefill_then_decode_with_a_kv_transfer(stack: ComposeProject) -> None:
-    """README's P/D request: both legs ran once, decode's transfer counter and pd-extproc's ok count moved."""
-    transfers, ok = decode_transfers(stack), ok_outcomes(stack)
+    """The install page's P/D request: both legs ran once; decode's transfer counter, pd-extproc's prefill
+    legs and its ok count each moved by one."""
+    transfers, ok, legs = decode_transfers(stack), ok_outcomes(stack), prefill_legs(stack)
     response = stack.send(PD_REQUEST)
     assert_served_by_both_legs(stack, response)
     choice = response.json()["choices"][0]
     assert choice["message"]["content"] and response.json()["usage"]["completion_tokens"] == 8
     assert decode_transfers(stack) == transfers + 1
     assert ok_outcomes(stack) == ok + 1
+    assert prefill_legs(stack) == legs + 1
 
 
 def test_streaming_pd_request_streams_from_decode(stack: ComposeProject) -> None:

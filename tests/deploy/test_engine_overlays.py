@@ -172,3 +172,12 @@ def test_trtllm_workers_transfer_kv_and_serve_the_metrics_the_picker_reads() -> 
 def test_the_picker_config_is_what_the_pinned_release_reads(overlay: Path) -> None:
     manifests = _manifests(overlay)
     assert check(epp_config(manifests), pod_labels(manifests, "pd-prefill"), pod_labels(manifests, "pd-decode")) == []
+
+
+def test_sglang_serves_the_metrics_page_the_picker_the_queue_limit_and_the_monitors_read() -> None:
+    """SGLang 0.5.23 mounts /metrics only with --enable-metrics (srt/entrypoints/http_server.py, behind
+    `enable_metrics`, default off in srt/arg_groups/fields/observability.py): without it the picker's
+    queue-scorer, PD_EXTPROC_DECODE_QUEUE_LIMIT and the monitoring component read a 404."""
+    manifests = _manifests(SGLANG)
+    for role in ROLES:
+        assert "--enable-metrics" in _flags(manifests.pod(role)["containers"][0]), role

@@ -21,6 +21,7 @@ import yaml
 
 from deploy import tools, validate
 from extproc._version import __version__
+from extproc.config import load_settings, open_prefill_policy
 from tests.deploy.test_operator_overlays import _OLD, EXTERNAL_NAMESPACES, _strings
 
 pytestmark = pytest.mark.deploy
@@ -70,12 +71,46 @@ def test_each_page_walks_the_same_steps_in_order(name: str) -> None:
     assert positions == sorted(positions), f"{name}.md: steps out of order: {headings}"
 
 
+def _verify_step(text: str) -> str:
+    start = next(m.start() for m in re.finditer(r"^## .*", text, re.M) if "verify" in m.group().lower())
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
+
+
 @pytest.mark.parametrize("name", sorted(PAGES))
 def test_each_page_verifies_that_prefill_ran_and_kv_moved(name: str) -> None:
     text = _page(name)
     verify = text[text.lower().index("verify"):]
     assert 'outcome="ok"' in verify and "pd_extproc_requests_total" in verify
     assert "vllm:nixl_xfer_time_seconds_count" in verify
+
+
+# The engine's own proof that KV moved, read in each engine's source at its pin: vLLM's decode worker counts
+# its NIXL transfers; SGLang 0.5.23 observes a transfer on the prefill worker
+# (srt/disaggregation/prefill.py, process_disagg_prefill_inflight_queue; srt/observability/metrics_collector.py);
+# trtllm-serve's Prometheus page has no transfer counter (tensorrt_llm/metrics/collector.py, MetricsCollector).
+ENGINE_PROOF = {"vllm": "vllm:nixl_xfer_time_seconds_count", "sglang": "sglang:kv_transfer_latency_ms_count"}
+
+
+@pytest.mark.parametrize("name", ["compose", "own-envoy"])
+def test_pages_for_every_engine_name_each_engines_proof_not_only_vllms(name: str) -> None:
+    verify = _verify_step(_page(name))
+    assert all(metric in verify for metric in ENGINE_PROOF.values()), verify
+    assert "trtllm" in verify and "pd_extproc_prefill_seconds_count" in verify
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_each_page_sends_the_verify_request_with_its_status_and_headers_shown(name: str) -> None:
+    requests = re.findall(r"^curl (.*?)/v1/chat/completions", _page(name), re.M)
+    assert requests and all(re.search(r"(^| )-i( |$)", flags) for flags in requests), requests
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_each_page_says_where_the_source_and_version_come_from_without_a_made_up_address(name: str) -> None:
+    text = _page(name)
+    assert "<this repository>" not in text and "git clone <" not in text
+    assert "extproc/_version.py" in text
+    assert not re.search(rf"checkout v{re.escape(__version__)}", text), "no release is tagged"
 
 
 def test_the_offline_steps_of_the_own_envoy_page_render_merge_and_validate(tmp_path: Path) -> None:
@@ -95,6 +130,29 @@ def test_the_offline_steps_of_the_own_envoy_page_render_merge_and_validate(tmp_p
         assert vhost[name] == value
     assert hcm["access_log"] == parts["access_log"]
     assert hcm["early_header_mutation_extensions"] == parts["early_header_mutation_extensions"]
+
+
+def test_the_own_envoy_pages_pieces_agree_with_its_verify_and_troubleshoot_steps(tmp_path: Path) -> None:
+    """What the later steps read exists in what step 3 wrote: Envoy's admin address (stats, clusters), the
+    trusted sources the pd route admits, settings `serve` starts with, the wheel `make dist` makes."""
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = _page("own-envoy")
+    merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
+    admin = merged["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1"
+    read = set(re.findall(r"127\.0\.0\.1:(\d+)/(?:stats|clusters)", text))
+    assert read == {str(admin["port_value"])}, read
+    environ = dict(line.split("=", 1) for line in (tmp_path / "pd-extproc.env").read_text().splitlines() if line)
+    settings = load_settings(environ)
+    assert open_prefill_policy(settings) == "" and settings.trusted_sources
+    hcm = merged["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    pd_route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    policy = pd_route["typed_per_filter_config"]["envoy.filters.http.rbac"]["config"]["rbac"]["rules"]["policies"]
+    admitted = [p["direct_remote_ip"] for p in policy["trusted_sources"]["principals"]]
+    assert admitted == [{"address_prefix": str(n.network_address), "prefix_len": n.prefixlen}
+                        for n in settings.trusted_sources]
+    assert f"pip install -c constraints.txt dist/pd_extproc-{__version__}-py3-none-any.whl" in text
 
 
 def _rendered(path: Path) -> list[dict[str, Any]]:
@@ -120,17 +178,52 @@ def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(nam
     result = run_offline(name, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rendered = sorted(tmp_path.glob("*.yaml"))
-    engines = ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"] if name == "envoy-gateway" else []
-    assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines])
+    engines = {"envoy-gateway": ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"], "istio": ["my-pd-istio-sglang.yaml"]}
+    assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines[name]])
     for path in rendered:
         docs = _rendered(path)
         assert not _problems(docs), "\n".join(_problems(docs))
+        if path.name in ("my-pd.yaml", "my-pd-sidecar.yaml") and (name, path.name) != ("istio", "my-pd-sidecar.yaml"):
+            # The pull-secret patch the page shows reaches every pod that runs the pd-extproc image.
+            assert _pulling_our_image(docs) and all(secrets == [{"name": "regcred"}]
+                                                    for secrets in _pulling_our_image(docs).values())
+        engine = path.stem.removeprefix("my-pd-").removeprefix("istio-")
+        if engine in ("sglang", "trtllm"):
+            _check_engine_render(docs, engine, istio=path.stem.startswith("my-pd-istio-"))
         settings = [doc for doc in docs if doc["kind"] == "ConfigMap"
                     and doc["metadata"]["name"].startswith(("pd-extproc-settings-", "pd-extproc-gateway-settings-"))]
         assert len(settings) == 1 and settings[0]["data"]["PD_EXTPROC_PREFILL_ALLOW"] == "192.168.0.0/16:8000"
         models = [doc["data"]["MODEL"] for doc in docs
                   if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("pd-model-")]
         assert models == ["Qwen/Qwen3-8B"]
-        engine = path.stem.removeprefix("my-pd-")
         if engine in ("sglang", "trtllm"):
             assert settings[0]["data"]["PD_EXTPROC_ADAPTER"] == engine
+
+
+def _pulling_our_image(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deployment name -> its imagePullSecrets, for the Deployments that run the pd-extproc image."""
+    found = {}
+    for doc in docs:
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {}) if doc["kind"] == "Deployment" else {}
+        if any(c["image"] == IMAGE for c in pod.get("containers", []) + pod.get("initContainers", [])):
+            found[doc["metadata"]["name"]] = pod.get("imagePullSecrets")
+    return found
+
+
+def _check_engine_render(docs: list[dict[str, Any]], engine: str, istio: bool) -> None:
+    """An engine overlay's render: the engine runs both roles, behind the gateway the page names."""
+    container = {"sglang": "sglang", "trtllm": "trtllm"}[engine]
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] in ("pd-decode", "pd-prefill"):
+            assert doc["spec"]["template"]["spec"]["containers"][0]["name"] == container, doc["metadata"]["name"]
+    [gateway] = [doc for doc in docs if doc["kind"] == "Gateway"]
+    assert (gateway["spec"]["gatewayClassName"] == "istio") == istio, gateway["spec"]
+
+
+@pytest.mark.parametrize("name", sorted(PAGES))
+def test_operator_pages_keep_source_citations_out(name: str) -> None:
+    """file:line citations of other projects' source belong in docs/gateway-chains.md (developer docs); an
+    install page names the version and says why in a line."""
+    citations = re.findall(r"[\w./-]+\.(?:go|sh|py|ya?ml|md):\d+", _page(name))
+    assert not citations, citations
+    assert not re.search(r"` @ v?\d", _page(name)), "a source file pinned at a tag: move it to gateway-chains.md"

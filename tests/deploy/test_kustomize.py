@@ -157,7 +157,7 @@ def test_monitors_scrape_named_ports_of_what_they_select(manifests: Manifests) -
 def test_the_gateway_proxies_are_trusted_sources(manifests: Manifests, k8s_settings: Settings) -> None:
     """The peers that reach both Envoy and the picker are the gateway's proxies: the ones that set
     x-prefiller-host-port. An address range among them must be inside PD_EXTPROC_TRUSTED_SOURCES, or
-    Envoy drops the header from them and every request goes decode-only."""
+    Envoy refuses their P/D requests (403 prefill_target_forbidden)."""
     envoy_peers = manifests.get("NetworkPolicy", "pd-decode")["spec"]["ingress"][0]["from"]
     picker_rules = manifests.get("NetworkPolicy", "pd-epp")["spec"]["ingress"]
     proxies = [peer for rule in picker_rules for peer in rule["from"] if peer in envoy_peers]

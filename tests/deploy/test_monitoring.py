@@ -6,18 +6,24 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from deploy import render_manifests as rm
 from deploy import validate
+from extproc.adapters import engines
+from extproc.config import Settings
 from extproc.envoy.bootstrap import (
     DECODE_STAT,
     ENGINE_METRICS_PATH,
     TIMING_STAT_PREFIX,
     TTFT_STAT,
     UNTRUSTED_PICKER_STAT,
+    engine_metrics_path,
 )
 from extproc.observability.metrics import Metrics
 from tests.helpers import NOT_ERROR_OUTCOMES
@@ -91,3 +97,29 @@ def test_the_dashboard_configmap_is_the_dashboard_labelled_for_grafana(root: Any
                      if kind == "ConfigMap" and name.startswith("pd-extproc-dashboard"))
     assert configmap["metadata"]["labels"][rm.GRAFANA_DASHBOARD_LABEL] == "1"
     assert json.loads(configmap["data"][rm.DASHBOARD.name]) == json.loads(rm.DASHBOARD.read_text())
+
+
+# Each engine's Prometheus page, as its adapter declares it (the decode queue reads the same page).
+ENGINE_OVERLAYS = {"vllm_nixl": "overlays/envoy-gateway", "sglang": "engine-overlays/sglang",
+                   "trtllm": "engine-overlays/trtllm"}
+
+
+@pytest.mark.parametrize("adapter", sorted(ENGINE_OVERLAYS))
+def test_the_prefill_monitor_scrapes_the_engines_own_prometheus_page(adapter: str, tmp_path: Path) -> None:
+    """An operator's overlay on an engine's overlay with the monitoring component: the PodMonitor pd-prefill
+    reads the page that engine serves (trtllm-serve's /metrics is JSON), the decode pods' Envoy maps
+    /engine/metrics to the same page."""
+    shutil.copytree(validate.K8S_DIR, tmp_path / "k8s")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [f"../k8s/{ENGINE_OVERLAYS[adapter]}"], "components": ["../k8s/components/monitoring"]}))
+    objects = _objects(tmp_path / "mine")
+    page = engines()[adapter].decode_queue
+    assert page is not None
+    [endpoint] = objects[("PodMonitor", "pd-prefill")]["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == page.path
+    decode = objects[("ServiceMonitor", "pd-decode")]["spec"]["endpoints"]
+    assert {"port": "envoy-stats", "path": ENGINE_METRICS_PATH, "interval": "15s"} in decode
+    adapter_run = validate.decode_settings(list(objects.values()))["PD_EXTPROC_ADAPTER"]
+    assert adapter_run == adapter and engine_metrics_path(Settings(adapter=adapter_run)) == page.path

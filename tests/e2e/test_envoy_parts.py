@@ -218,6 +218,13 @@ def test_an_untrusted_peer_cannot_name_a_prefill_target() -> None:
         assert stack.post(CHAT, chat_body(max_tokens=2), pd=False).status_code == 200
         assert "kv_transfer_params" not in only(stack.workers["decode"].requests())["json"]
 
+        # Counted as the full bootstrap counts it (envoy_pd_untrusted_picker_header_rq): once, the refusal only.
+        def counted() -> bool:
+            stats = stack.envoy.admin_get("/stats?filter=^pd\\.untrusted_picker_header_rq").decode()
+            return "pd.untrusted_picker_header_rq: 1" in stats
+
+        assert eventually(counted), stack.envoy.admin_get("/stats?filter=^pd\\.").decode()
+
 
 def test_our_server_down_is_our_json_503_on_our_route_only(parts: Merged) -> None:
     parts.server.stop(sig=signal.SIGKILL)

@@ -138,16 +138,26 @@ def untrusted_stack() -> Iterator[Stack]:
         yield stack
 
 
-def test_header_from_an_untrusted_peer_is_dropped_and_the_request_passes_through(untrusted_stack: Stack) -> None:
-    """With trusted_sources, a client outside them cannot aim us anywhere: the header is removed
-    and the request is a plain passthrough (our server is not called, prefill never contacted)."""
+def test_a_pd_request_from_an_untrusted_peer_is_refused_before_any_leg(untrusted_stack: Stack) -> None:
+    """With trusted_sources, a client outside them cannot aim us anywhere: a P/D request naming a prefill
+    target is refused 403 prefill_target_forbidden, as the --parts' RBAC refuses it (no silent decode-only
+    answer); our server, prefill and decode are never reached."""
     untrusted_stack.reset()
-    raw = json.dumps(chat_body(max_tokens=2)).encode()
-    response = post(untrusted_stack, CHAT, raw)
-    assert response.status_code == 200
+    response = post(untrusted_stack, CHAT, chat_body(max_tokens=2))
+    assert_error(response, 403, Code.PREFILL_TARGET_FORBIDDEN.value)
+    assert untrusted_stack.prefill.requests() == [] and untrusted_stack.decode.requests() == []
+
+
+def test_the_picker_header_on_another_path_from_an_untrusted_peer_is_dropped(untrusted_stack: Stack) -> None:
+    """A path that is never P/D: the header is removed and the request is a plain passthrough."""
+    untrusted_stack.reset()
+    raw = json.dumps({"model": "emulated", "input": "hello"}).encode()
+    with untrusted_stack.client() as client:
+        response = client.post("/v1/embeddings", content=raw, headers={
+            "content-type": "application/json", "x-prefiller-host-port": "127.0.0.1:1"})
     assert untrusted_stack.prefill.requests() == []
     decode = untrusted_stack.decode.requests()
-    assert len(decode) == 1 and untrusted_stack.decode.raw_body(decode[0]["seq"]) == raw
+    assert len(decode) == 1 and untrusted_stack.decode.raw_body(decode[0]["seq"]) == raw, response.text
     assert "x-prefiller-host-port" not in dict(decode[0]["headers"])
 
 
@@ -160,14 +170,14 @@ def _untrusted_picker_count(stack: Stack) -> int:
 
 def test_a_picker_header_from_an_untrusted_peer_is_counted_and_logged(untrusted_stack: Stack) -> None:
     """Loud, not silent: a gateway missing from trusted_sources shows as this counter and as access-log
-    lines on the route untrusted_picker_header, while the request is still served decode-only."""
+    lines on the route untrusted_picker_header (the refused P/D request); a plain request is not counted."""
     untrusted_stack.reset()
     before = _untrusted_picker_count(untrusted_stack)
     with untrusted_stack.client() as client:
         plain = client.post(CHAT, content=json.dumps(chat_body(max_tokens=2)),
                             headers={"content-type": "application/json", "x-request-id": "untrusted-plain"})
     steered = post(untrusted_stack, CHAT, chat_body(max_tokens=2), **{"x-request-id": "untrusted-steered"})
-    assert plain.status_code == steered.status_code == 200
+    assert (plain.status_code, steered.status_code) == (200, 403)
     envoy_logged(untrusted_stack, "untrusted-plain", "untrusted-steered")
     envoy_stats_settled(untrusted_stack)
     assert _untrusted_picker_count(untrusted_stack) == before + 1

@@ -80,14 +80,23 @@ def test_untrusted_sources_get_no_pd_route_and_no_ext_proc() -> None:
     assert chains[0]["filter_chain_match"]["source_prefix_ranges"] == [{"address_prefix": "10.0.0.0", "prefix_len": 8}]
     untrusted = _hcm(config, 1)
     routes = untrusted["route_config"]["virtual_hosts"][0]["routes"]
-    # A picker header from there is served as a passthrough too, on a route of its own that is counted.
-    assert [r["name"] for r in routes] == ["untrusted_picker_header", "passthrough"]
-    assert routes[0]["route"] == routes[1]["route"]
-    assert routes[0]["request_headers_to_remove"] == routes[1]["request_headers_to_remove"]
-    assert "x-prefiller-host-port" in routes[0]["request_headers_to_remove"]
+    # A P/D request naming a prefill target is refused there (as the parts' RBAC refuses it); the header on
+    # any other request is dropped and the request served as a passthrough, on a route of its own; both counted.
+    assert [r["name"] for r in routes] == ["untrusted_picker_header", "untrusted_picker_header_passthrough",
+                                           "passthrough"]
+    trusted_pd = _hcm(config, 0)["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert routes[0]["match"] == trusted_pd["match"] and routes[0]["direct_response"] == {"status": 403}
+    assert "route" not in routes[0]
+    assert routes[1]["route"] == routes[2]["route"]
+    assert routes[1]["request_headers_to_remove"] == routes[2]["request_headers_to_remove"]
+    assert "x-prefiller-host-port" in routes[1]["request_headers_to_remove"]
     assert all("typed_per_filter_config" not in route or "envoy.filters.http.ext_proc" not in
                route["typed_per_filter_config"] for route in routes)
     assert all(f["name"] != "envoy.filters.http.ext_proc" for f in untrusted["http_filters"])
+    first = untrusted["local_reply_config"]["mappers"][0]
+    assert first["body_format_override"]["json_format"]["error"]["code"] == "prefill_target_forbidden"
+    assert first["status_code"] == 403
+    assert "untrusted_picker_header'" in first["filter"]["extension_filter"]["typed_config"]["expression"]
 
 
 def test_local_reply_rules_are_ordered() -> None:

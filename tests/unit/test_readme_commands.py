@@ -96,3 +96,16 @@ def test_every_pd_extproc_command_and_flag_readme_names_exists() -> None:
                 continue
             assert flag in known, f"README: pd-extproc {command} {flag}: no such flag"
     assert {"up", "envoy-config"} <= {command for command, _ in named}
+
+
+def test_readme_stays_the_operators_page_at_most_12_kib() -> None:
+    """README is the landing page: reference material (settings, metrics, per-API rules) lives in docs/."""
+    assert len(README.encode()) <= 12 * 1024, f"README.md is {len(README.encode())} bytes"
+
+
+def test_readme_defines_the_words_a_newcomer_meets() -> None:
+    glossary = README.split("## Words used here", 1)[1].split("\n## ", 1)[0]
+    defined = {line.split("|")[1].strip() for line in glossary.splitlines() if line.startswith("| ")}
+    for word in ("NIXL", "endpoint picker", "InferencePool", "client guard", "passthrough", "x-pd-fallback",
+                 "prefill leg", "handoff", "adapter", "trusted sources"):
+        assert any(word in entry for entry in defined), word
