@@ -164,7 +164,8 @@ def sidecar_parts(settings: Settings, decode_cluster: str = DECODE_CLUSTER) -> d
     route["route"]["cluster"] = decode_cluster
     filters = [body_limit_filter(settings)]
     if not settings.trust_client_steering:
-        filters.append(guard_filter())
+        filters.append(guard_filter(allow_compressed=settings.guard_allow_compressed_bodies,
+                                    allow_form_json=settings.guard_allow_form_json_fields))
     if settings.trusted_sources:
         filters.append({"name": RBAC_FILTER, "disabled": True, "typed_config": {_TYPE: _RBAC}})
         route["typed_per_filter_config"][RBAC_FILTER] = {_TYPE: _FILTER_CONFIG, "config": _trusted_only(settings)}
@@ -243,12 +244,13 @@ def _pd_request(adapter: str) -> dict[str, Any]:
     ]}}
 
 
-def gateway_guard_filter(adapter: str) -> dict[str, Any]:
+def gateway_guard_filter(adapter: str, *, allow_compressed: bool = False,
+                         allow_form_json: bool = False) -> dict[str, Any]:
     """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
     requests our server does not read as P/D: put right after the picker, it is skipped only for a request
     our server, running ``adapter``, will read as P/D (envoy/pd_request.py), whose body our server checks.
     A tagged request of another method or path is read by both (gateway.steering_refusal)."""
-    guard = guard_filter()
+    guard = guard_filter(allow_compressed=allow_compressed, allow_form_json=allow_form_json)
     skip = _pd_request(adapter)
     return {"name": guard["name"], "typed_config": _skipped_when(skip, guard["name"], guard["typed_config"])}
 
@@ -298,7 +300,11 @@ def gateway_cluster(settings: Settings, ext_proc_address: Address | None) -> dic
 
 def gateway_parts(settings: Settings, route_name: str, ext_proc_address: Address | None = None) -> dict[str, Any]:
     return {
-        "http_filters": [body_limit_filter(settings), gateway_guard_filter(settings.adapter), gateway_filter(settings)],
+        "http_filters": [body_limit_filter(settings),
+                         gateway_guard_filter(settings.adapter,
+                                              allow_compressed=settings.guard_allow_compressed_bodies,
+                                              allow_form_json=settings.guard_allow_form_json_fields),
+                         gateway_filter(settings)],
         "route_additions": gateway_route_additions(settings),
         "clusters": [gateway_cluster(settings, ext_proc_address)],
         "local_reply_mappers": gateway_local_reply_mappers(route_name),

@@ -111,3 +111,16 @@ def test_envoy_config_takes_the_ext_proc_service_address(capsys: Any) -> None:
         "socket_address": {"address": "pd-extproc.llm.svc", "port_value": 50051}}
     assert main(["envoy-config", "--parts", "--ext-proc-address", "no-port"], gateway) == EXIT_CONFIG
     assert "--ext-proc-address" in capsys.readouterr().err
+
+
+LOOSENED = {"PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": "true", "PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": "true"}
+
+
+def test_the_guards_loosenings_reach_the_parts_as_they_reach_the_bootstrap() -> None:
+    """The parts used to render the guard with both loosenings off whatever the settings said."""
+    settings = load_settings({"PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8", **LOOSENED})
+    loosened = guard_filter(allow_compressed=True, allow_form_json=True)
+    assert sidecar_parts(settings)["http_filters"][1] == loosened
+    assert loosened in _trusted_hcm({"PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8", **LOOSENED})["http_filters"]
+    gateway_guard = gateway_parts(settings, "inference")["http_filters"][1]
+    assert gateway_guard["typed_config"]["extension_config"]["typed_config"] == loosened["typed_config"]
