@@ -145,7 +145,7 @@ class ExtProcServer:
             adapter = build_adapter(settings.adapter, settings.protocol, settings.engine_options)
         except SecretFileError as exc:
             raise ConfigError(f"adapter {settings.adapter}: {exc}") from None
-        decode = self.decode = DecodeTarget(settings.decode)
+        decode = self.decode = DecodeTarget(settings.decode, self.clock)
         self.decode_queue = _decode_queue(settings, self.policy, decode, self.metrics, self.clock, self.block,
                                           0 if role is None else role.index)
         self.processor = PdProcessor(

@@ -22,10 +22,11 @@ class Lru(Generic[K, V]):
 
     def get(self, key: K) -> V | None:
         """The value, now the most recently used; None if absent."""
-        value = self._items.get(key)
-        if value is not None:
+        try:
             self._items.move_to_end(key)
-        return value
+        except KeyError:
+            return None
+        return self._items[key]
 
     def put(self, key: K, value: V) -> None:
         """Keep ``value`` as the most recently used; past the bound the least recently used goes."""

@@ -1,7 +1,7 @@
 """The local decode worker's address as a transport target (for a concurrent engine's abort request and
 the decode-queue watch). It is configured, never taken from a request, so the prefill policy does not
 apply. A name is resolved off the event loop before the server starts, then again every ``ttl``
-seconds; a failed re-resolution keeps the last address (and says so once).
+seconds (on the server's clock); a failed re-resolution keeps the last address (and says so once).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import socket
 
+from extproc.clock import Clock
 from extproc.units import Address
 from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
@@ -24,8 +25,9 @@ class Unresolvable(Exception):
 
 
 class DecodeTarget:
-    def __init__(self, address: Address, ttl: float = RESOLVE_TTL) -> None:
+    def __init__(self, address: Address, clock: Clock, ttl: float = RESOLVE_TTL) -> None:
         self._address = address
+        self._clock = clock
         self._ttl = ttl
         self._current: ResolvedTarget | None = None
         self._task: asyncio.Task[None] | None = None
@@ -62,7 +64,7 @@ class DecodeTarget:
 
     async def _refresh(self) -> None:
         while True:
-            await asyncio.sleep(self._ttl)
+            await self._clock.sleep(self._ttl)
             try:
                 before = self._current
                 after = await self.resolve()

@@ -96,3 +96,13 @@ def test_the_checked_targets_stay_bounded_and_the_least_recently_used_goes_first
         await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_reading_an_lru_entry_is_a_use_whatever_its_value() -> None:
+    """A stored None (or any value) read back is the most recently used, like any other."""
+    cache: Lru[str, int | None] = Lru(2)
+    cache.put("a", None)
+    cache.put("b", 1)
+    assert cache.get("a") is None  # a use: "b" is now the least recently used
+    cache.put("c", 2)
+    assert ("a" in cache, "b" in cache, "c" in cache) == (True, False, True)

@@ -12,6 +12,7 @@ import sys
 import orjson
 import pytest
 
+from extproc.clock import FakeClock, MonotonicClock
 from extproc.core.fields import ReservedField
 from extproc.core.inspection import KEPT_VALUE_BYTES, Inspected, Refusal, Rules, inspect_answer
 from extproc.core.inspector import POOL_MAX, Inspector, pool_size
@@ -114,6 +115,7 @@ def test_refusals_that_need_no_parse_never_reach_a_worker() -> None:
 
 
 def test_the_decode_name_is_resolved_by_the_loops_resolver_and_again_after_its_ttl() -> None:
+    """On the decode target's clock: resolved at start, not again before its TTL, again once it is up."""
     async def run() -> None:
         loop = asyncio.get_running_loop()
         answers = iter(["127.0.0.2", "127.0.0.3"])
@@ -127,20 +129,27 @@ def test_the_decode_name_is_resolved_by_the_loops_resolver_and_again_after_its_t
             return [(0, 0, 0, "", (next(answers), port))]
 
         loop.getaddrinfo = getaddrinfo  # type: ignore[method-assign,assignment]
-        target = DecodeTarget(Address("decode.local", 8200), ttl=0)
+        clock = FakeClock()
+        target = DecodeTarget(Address("decode.local", 8200), clock, ttl=30.0)
         with pytest.raises(Unresolvable):
             target.current  # noqa: B018  (a name has no address before start)
         await target.start()
         assert target.current.ip == ipaddress.ip_address("127.0.0.2")
+        async with asyncio.timeout(10):  # a hang guard only: the refresh must wait on this clock
+            await clock.waiting()
+        clock.advance(29.999)
+        assert clock.pending == 1 and asked == ["decode.local"], "not again within its TTL"
+        clock.advance(0.001)
         await refreshed.wait()
         assert target.current.ip == ipaddress.ip_address("127.0.0.3") and asked == ["decode.local"] * 2
         await target.stop()
+        assert clock.pending == 0
 
     asyncio.run(run())
 
 
 def test_a_decode_ip_needs_no_resolution() -> None:
-    target = DecodeTarget(Address("10.0.0.5", 8200))
+    target = DecodeTarget(Address("10.0.0.5", 8200), MonotonicClock())
     assert not target.is_name and target.current.ip == ipaddress.ip_address("10.0.0.5")
 
 

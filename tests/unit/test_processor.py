@@ -54,12 +54,14 @@ class Rig:
 
 
 def rig(adapter: Adapter, limit: int = 4, fallback: bool = False, tracing: Any = None,
-        strip_before_decode: frozenset[str] = frozenset()) -> Rig:
-    """A processor over a FakeTransport (its prefill client and its decode control client: one record of
-    every call, in order) and a FakeClock (its time moves only when the test advances it)."""
+        strip_before_decode: frozenset[str] = frozenset(), decode_control: FakeTransport | None = None) -> Rig:
+    """A processor over a FakeTransport (its prefill client and, unless ``decode_control`` is given, its
+    decode control client too: one record of every call, in order) and a FakeClock (its time moves only
+    when the test advances it)."""
     transport, admission, metrics, clock = FakeTransport(), Admission(limit), Metrics(), FakeClock()
     background = BackgroundPrefills(clock)
-    processor = PdProcessor(adapter, transport, decode_control=transport, clock=clock, max_request_bytes=1 << 20,
+    processor = PdProcessor(adapter, transport, decode_control=decode_control or transport, clock=clock,
+                            max_request_bytes=1 << 20,
                             admission=admission, metrics=metrics, background=background, decode=DECODE,
                             fallback=fallback, tracing=tracing, nonce=lambda: 0x1234,
                             strip_before_decode=strip_before_decode)
@@ -302,6 +304,25 @@ def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our
         assert error_code(answer) == "prefill_upstream_error"
         assert answer.immediate_response.status.code == 503
         assert r.admission.inflight == 0 and r.outcomes() == {"prefill_upstream_error": 1.0}
+
+    asyncio.run(run())
+
+
+def test_the_decode_abort_goes_through_the_decode_control_client_not_the_prefill_client() -> None:
+    """Aborts have a client (and a connection pool) of their own: an abort never waits for a prefill
+    connection slot, and the prefill client's retry counter never counts one."""
+    async def run() -> None:
+        control = FakeTransport()
+        r = rig(SglangAdapter(), decode_control=control)
+        r.transport.answers.append(WorkerReply(503, "application/json", b""))
+        control.answers.append(WorkerReply(200, "text/plain", b""))
+        handle = await start_background(r)
+        await r.clock.waiting()  # the first abort is out; the processor waits for decode's answer
+        assert [call.method + " " + call.path for call in r.transport.calls] == ["POST /v1/chat/completions"]
+        assert [(call.target, call.path) for call in control.calls] == [(DECODE, "/abort_request")]
+        await r.processor.on_decode_answer(handle, 500)
+        await handle.task
+        assert r.outcomes() == {"prefill_upstream_error": 1.0} and r.admission.inflight == 0
 
     asyncio.run(run())
 
