@@ -21,16 +21,16 @@ from grpc_health.v1._async import HealthServicer
 
 from extproc.adapters import build_adapter, engines
 from extproc.config import ConfigError, Settings
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefills
-from extproc.core.inspector import Inspector, pool_size
-from extproc.core.prefill_policy import PrefillPolicy
-from extproc.core.processor import PdProcessor
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
 from extproc.observability.httpserver import HttpServer, Request, Response
 from extproc.observability.metrics import Metrics
-from extproc.settings_spec import SecretFileError
-from extproc.units import Address
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefills
+from extproc.pipeline.inspector import Inspector, pool_size
+from extproc.pipeline.processor import PdProcessor
+from extproc.protocol.prefill_policy import PrefillPolicy
+from extproc.protocol.settings_spec import SecretFileError
+from extproc.protocol.units import Address
 from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
 from extproc.upstream.decode_queue import DecodeQueueWatch, QueueLimit
 from extproc.upstream.decode_target import DecodeTarget, Unresolvable

@@ -14,7 +14,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
-from extproc.errors import Code, error_body
+from extproc.protocol.errors import Code, error_body
 
 JSON = b"application/json"
 

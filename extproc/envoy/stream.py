@@ -16,11 +16,11 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.core.background import BackgroundPrefill
-from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
+from extproc.pipeline.background import BackgroundPrefill
+from extproc.pipeline.processor import PdProcessor, Pending
+from extproc.protocol.errors import Code, PdError
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"

@@ -12,8 +12,8 @@ import ipaddress
 import logging
 import socket
 
-from extproc.units import Address
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress
+from extproc.protocol.transport import ResolvedTarget, WorkerAddress
+from extproc.protocol.units import Address
 
 log = logging.getLogger("extproc.decode")
 RESOLVE_TTL = 30.0

@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from extproc.errors import PdError
-from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
+from extproc.protocol.errors import PdError
+from extproc.protocol.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
 # A scripted answer: a reply, an error to raise, or a coroutine function to await (one that waits on an
 # event the test sets, say, or raises something else).

@@ -16,9 +16,9 @@ from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.trtllm import RULES as TRTLLM_RULES
 from extproc.adapters.trtllm import TrtllmAdapter
 from extproc.adapters.vllm_nixl import PROTOCOL_0_33, RULES, VllmNixlAdapter
-from extproc.core.processor import Pending
-from extproc.errors import PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import Pending
+from extproc.protocol.errors import PdError
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_processor import (
     CHAT_BODY,
     DECODE,

@@ -17,13 +17,13 @@ from extproc.adapters.base import PlanInput
 from extproc.adapters.sglang import SglangAdapter, check_prefill_reply
 from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_body
 from extproc.config import load_settings
-from extproc.core.openai_request import Endpoint, parse_client_request
-from extproc.core.prefill_target import parse_prefill_target
-from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy.bootstrap import render
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import PdProcessor, Pending
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.openai_request import Endpoint, parse_client_request
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_envoy_config import _hcm
 from tests.unit.test_processor import DECODE, HANDOFF, head, ok, rig
 

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.core import prefill_target
-from extproc.core.prefill_policy import PrefillPolicy, parse_allow_list
-from extproc.core.prefill_target import parse_prefill_target
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
+from extproc.protocol import prefill_target
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prefill_policy import PrefillPolicy, parse_allow_list
+from extproc.protocol.prefill_target import parse_prefill_target
 from extproc.upstream import client as upstream
 
 LIMITS = upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,

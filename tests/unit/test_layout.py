@@ -31,8 +31,8 @@ DEBT = {
     # The processor builds Envoy's ext_proc replies itself (pure protobuf builders, no gRPC): a neutral
     # decision type converted by extproc/envoy/ would remove this, at the cost of one object per message
     # on the hot path (issue 28 measures that path).
-    ("extproc.core.processor", "extproc.envoy.messages"),
-    ("extproc.core.processor", "envoy.service.ext_proc.v3.external_processor_pb2"),
+    ("extproc.pipeline.processor", "extproc.envoy.messages"),
+    ("extproc.pipeline.processor", "envoy.service.ext_proc.v3.external_processor_pb2"),
 }
 
 
@@ -67,7 +67,10 @@ def crossing(name: str, imported: str, forbidden: tuple[str, ...]) -> bool:
 ALL = list(modules())
 
 
-@pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith(("extproc.core", "extproc.adapters"))],
+PURE_SIDES = ("extproc.protocol", "extproc.pipeline", "extproc.adapters")
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith(PURE_SIDES)],
                          ids=lambda value: value if isinstance(value, str) else "")
 def test_core_and_adapters_open_no_sockets_and_know_no_shell(name: str, path: Path) -> None:
     forbidden = ("grpc", "grpc_health", "socket", "ssl", "h11", "aiohttp", "extproc.app", "extproc.cli",
@@ -80,8 +83,8 @@ def test_core_and_adapters_open_no_sockets_and_know_no_shell(name: str, path: Pa
 @pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith("extproc.adapters")],
                          ids=lambda value: value if isinstance(value, str) else "")
 def test_adapters_are_pure(name: str, path: Path) -> None:
-    forbidden = ("asyncio", "logging", "time", "random", "extproc.observability", "extproc.core.processor",
-                 "extproc.core.admission", "extproc.core.background", "extproc.upstream.discovery",
+    forbidden = ("asyncio", "logging", "time", "random", "extproc.observability", "extproc.pipeline.processor",
+                 "extproc.pipeline.admission", "extproc.pipeline.background", "extproc.upstream.discovery",
                  "extproc.upstream.decode_queue", "extproc.config")
     bad = sorted(i for i in imports(path) if crossing(name, i, forbidden))
     assert not bad, f"{name} imports {bad}: an adapter is pure (no I/O, no clock, no logging)"
@@ -97,9 +100,9 @@ def test_the_product_never_imports_the_lab(name: str, path: Path) -> None:
 
 
 def test_the_seam_knows_no_metrics_and_no_adapter() -> None:
-    seam = REPO / "extproc" / "upstream" / "transport.py"
+    seam = REPO / "extproc" / "protocol" / "transport.py"
     bad = sorted(i for i in imports(seam) if i.startswith(("extproc.observability", "extproc.adapters",
-                                                           "extproc.core")) and "prefill_policy" not in i)
+                                                           "extproc.pipeline")))
     assert not bad, f"the transport seam imports {bad}"
 
 

@@ -17,15 +17,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc.adapters.base import Adapter
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefill, BackgroundPrefills
-from extproc.core.processor import BodyOutcome, PdProcessor, Pending
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
 from extproc.observability.metrics import Metrics
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefill, BackgroundPrefills
+from extproc.pipeline.processor import BodyOutcome, PdProcessor, Pending
 from extproc.plugin import FakeTransport
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 from extproc.upstream.client import Phase, classify, http1
-from extproc.upstream.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 
 PREFILL = "10.0.0.7:8000"
 DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),

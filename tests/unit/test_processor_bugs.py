@@ -16,8 +16,8 @@ import pytest
 
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.processor import Pending
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import Pending
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_processor import (
     CHAT_BODY,
     DECODE,

@@ -12,8 +12,8 @@ import ipaddress
 import re
 from collections.abc import Sequence
 
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import WorkerAddress
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.transport import WorkerAddress
 
 HEADER = "x-prefiller-host-port"
 

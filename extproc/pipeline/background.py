@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from extproc.errors import PdError
+from extproc.protocol.errors import PdError
 
 Task = asyncio.Task[None]
 

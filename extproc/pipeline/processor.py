@@ -35,23 +35,23 @@ from extproc.adapters.base import (
     PlanInput,
     SequentialAdapter,
 )
-from extproc.core import error_shapes
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
-from extproc.core.headers import prefill_headers
-from extproc.core.inspection import Rules
-from extproc.core.inspector import Inspector
-from extproc.core.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
-from extproc.core.prefill_target import HEADER, parse_prefill_target
-from extproc.core.steering import STEERING_HEADER_NAMES
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
 from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefill, BackgroundPrefills, Task
+from extproc.pipeline.inspector import Inspector
+from extproc.protocol import error_shapes
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.headers import prefill_headers
+from extproc.protocol.inspection import Rules
+from extproc.protocol.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
+from extproc.protocol.prefill_target import HEADER, parse_prefill_target
+from extproc.protocol.steering import STEERING_HEADER_NAMES
+from extproc.protocol.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 from extproc.upstream.decode_queue import QueueLimit
 from extproc.upstream.decode_target import DecodeTarget, resolved
 from extproc.upstream.discovery import ServerInfoCache
-from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import Tracing
