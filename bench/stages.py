@@ -153,6 +153,7 @@ def _stage_targets(server: Any) -> list[tuple[object, str, str]]:
         (WorkerClient, "post", "prefill leg"),
         (adapter_type, "decide", "handoff check"),
         (envoy_messages, "continue_headers", "protobuf reply"),
+        (envoy_messages, "reply", "protobuf reply"),  # the pipeline's decision into the reply below
         (envoy_messages, "replace_body", "protobuf reply"),
         (envoy_messages, "immediate", "protobuf reply"),
         (Metrics, "finish", "metrics"),

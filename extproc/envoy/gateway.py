@@ -33,11 +33,11 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.envoy import messages as msg
-from extproc.envoy.messages import RequestHead
 from extproc.protocol.errors import PdError
 from extproc.protocol.headers import PICKER_HEADERS
 from extproc.protocol.inspection import Refusal
 from extproc.protocol.pd_request import OPENAI_PATHS, PREFILL_TARGET_HEADER, is_pd
+from extproc.protocol.request_head import RequestHead
 from extproc.protocol.steering import STEERING_FIELDS, refuse_steering
 
 _Mode = processing_mode_pb2.ProcessingMode

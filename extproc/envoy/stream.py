@@ -21,6 +21,7 @@ from extproc.envoy import messages as msg
 from extproc.pipeline.background import BackgroundPrefill
 from extproc.pipeline.processor import PdProcessor, Pending
 from extproc.protocol.errors import Code, PdError
+from extproc.protocol.request_head import RequestHead
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -49,7 +50,7 @@ class _Stream:
     """One ext_proc stream's state, owned by its Process call."""
 
     phase: Phase = Phase.HEADERS
-    head: msg.RequestHead | None = None
+    head: RequestHead | None = None
     pending: Pending | None = None  # set in BODY: the request's record, not yet finished
     background: BackgroundPrefill | None = None  # a concurrent engine's prefill, still running
     decode_answered: bool = False
@@ -95,7 +96,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return msg.continue_response_headers(), False
         stream.decode_answered = True
         status = msg.response_status(request.response_headers)
-        return await self._processor.on_decode_answer(stream.background, status), False
+        answer = await self._processor.on_decode_answer(stream.background, status)
+        return (msg.continue_response_headers() if answer is None else msg.reply(answer)), False
 
     async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
@@ -107,10 +109,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._passthrough()
             return gateway.passthrough(), True
         outcome = await self._processor.on_headers(stream.head)
-        if isinstance(outcome, pb.ProcessingResponse):
-            return outcome, True
+        if not isinstance(outcome, Pending):
+            return msg.reply(outcome), True
         if headers.end_of_stream:  # a P/D POST without a body
-            return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
+            return msg.reply(self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY)), True
         stream.pending, stream.phase = outcome, Phase.BODY
         return msg.continue_headers(), False
 
@@ -120,12 +122,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if not body.end_of_stream:  # a chunk: the mode is not BUFFERED, and we read whole bodies only
             _log_out_of_order(stream.phase, "request_body chunk")
             stream.phase = Phase.DONE
-            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR), True
+            return msg.reply(self._processor.refuse_now(pending, Code.INTERNAL_ERROR)), True
         outcome = await self._processor.on_body(stream.head, pending, body.body)
         stream.background, stream.phase = outcome.background, Phase.DECODE_ANSWER
+        response = msg.reply(outcome.decision)
         if self._passthrough is not None:
-            return gateway.without_picker_headers(outcome.response), False
-        return outcome.response, False
+            return gateway.without_picker_headers(response), False
+        return response, False
 
     async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
@@ -152,7 +155,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         _log_out_of_order(stream.phase, kind or "empty message")
         pending, stream.pending, stream.phase = stream.pending, None, Phase.DONE
         if pending is not None:
-            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR)
+            return msg.reply(self._processor.refuse_now(pending, Code.INTERNAL_ERROR))
         return msg.error_reply(Code.INTERNAL_ERROR, 500)
 
 

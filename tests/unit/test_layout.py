@@ -27,13 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("extproc", "pd_extproc_lab")
 
 # Imports that cross a boundary today, each a known piece of debt with its reason.
-DEBT = {
-    # The processor builds Envoy's ext_proc replies itself (pure protobuf builders, no gRPC): a neutral
-    # decision type converted by extproc/envoy/ would remove this, at the cost of one object per message
-    # on the hot path (issue 28 measures that path).
-    ("extproc.pipeline.processor", "extproc.envoy.messages"),
-    ("extproc.pipeline.processor", "envoy.service.ext_proc.v3.external_processor_pb2"),
-}
+DEBT: set[tuple[str, str]] = set()
 
 
 def modules() -> Iterator[tuple[str, Path]]:

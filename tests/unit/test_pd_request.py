@@ -13,10 +13,10 @@ from extproc.adapters import served
 from extproc.config import load_settings
 from extproc.envoy.bootstrap import render
 from extproc.envoy.gateway import is_pd_request
-from extproc.envoy.messages import RequestHead
 from extproc.envoy.parts import gateway_guard_filter
 from extproc.protocol.openai_request import paths_of
 from extproc.protocol.pd_request import PD_METHOD, full_path_regex, is_pd, path_regex
+from extproc.protocol.request_head import RequestHead
 
 _CASES = [  # method, :path, tagged -> P/D
     ("POST", "/v1/chat/completions", True, True),
