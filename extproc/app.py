@@ -15,7 +15,6 @@ from math import nan
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -162,7 +161,7 @@ class ExtProcServer:
             ("grpc.max_concurrent_streams", 0x7FFFFFFF),
         ])
         passthrough = self.metrics.passthroughs.inc if settings.mode == "gateway" else None
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor, passthrough), self.grpc)
+        ExtProcServicer(self.processor, passthrough).add_to(self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         try:
             self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())

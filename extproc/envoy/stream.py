@@ -64,6 +64,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._processor = processor
         self._passthrough = passthrough
 
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve Envoy's ext_proc service on ``server`` (app.py's gRPC server) with this servicer."""
+        pb_grpc.add_ExternalProcessorServicer_to_server(self, server)
+
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
