@@ -33,9 +33,9 @@ import uvloop
 from bench.workers import CheapWorker
 from bench.workload import CHAT_PATH, chat_body
 from extproc.clock import MonotonicClock
-from extproc.core.prefill_policy import PrefillPolicy
+from extproc.protocol.prefill_policy import PrefillPolicy
+from extproc.protocol.transport import ResolvedTarget, WorkerAddress
 from extproc.upstream.client import WorkerClient, WorkerLimits
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
 Post = Callable[[], Awaitable[bytes]]
 HEADERS = [("content-type", "application/json"), ("accept", "application/json")]

@@ -85,8 +85,8 @@ _RBAC = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 
 def _json_to_metadata_guard(config: Config) -> None:
     """Swap the Lua guard for json_to_metadata (one rule per steering member) and an RBAC deny."""
-    from extproc.core.steering import STEERING_FIELDS
     from extproc.envoy.guard import LUA_FILTER
+    from extproc.protocol.steering import STEERING_FIELDS
 
     rules = [{"selectors": [{"key": key} for key in field.path],
               "on_present": {"metadata_namespace": "pd_guard", "key": field.name, "value": {"bool_value": True}}}

@@ -30,8 +30,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.app import ExtProcServer
 from extproc.config import load_settings
-from extproc.core.inspection import Rules, inspect
-from extproc.core.inspector import Inspector
+from extproc.pipeline.inspector import Inspector
+from extproc.protocol.inspection import Rules, inspect
 from pd_extproc_lab.emulator.vllm import VllmEmulator
 
 CHAT = "/v1/chat/completions"

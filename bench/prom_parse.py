@@ -1,4 +1,4 @@
-"""Why extproc/upstream/prom_text.py exists beside prometheus_client.parser: CPU per decode-queue read.
+"""Why extproc/protocol/prom_text.py exists beside prometheus_client.parser: CPU per decode-queue read.
 
     .venv/bin/python -m bench.prom_parse
 
@@ -13,7 +13,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.upstream.prom_text import sample_values
+from extproc.protocol.prom_text import sample_values
 
 GAUGE = "vllm:num_requests_waiting"
 RANKS = 8

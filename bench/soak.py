@@ -35,7 +35,7 @@ from bench import soak_checks as checks
 from bench.soak_load import Load, Outcome, probe
 from bench.soak_procs import open_fds, rss_bytes, tcp_connections
 from bench.soak_stack import PROFILES, SoakStack
-from extproc.upstream.prom_text import sample_values
+from extproc.protocol.prom_text import sample_values
 
 RECOVERY_BOUND = 15.0  # seconds: after each fault is cleared the stack must serve a P/D request within this
 REST_TIMEOUT = 15.0  # seconds the server may take to give everything back once the load stops

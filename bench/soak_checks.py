@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.soak_load import ENVOY_CODES, REFUSALS, Outcome
-from extproc.errors import Code
+from extproc.protocol.errors import Code
 
 # What each fault may turn an answer into, while it lasts and for SETTLE seconds after it is cleared.
 EXCUSED: dict[str, frozenset[str]] = {

@@ -1,6 +1,6 @@
 """The soak's client: a seeded mix of requests, each tagged (in its prompt and its x-request-id), and
 the classification of every answer into a documented outcome (PROTOCOL.md's error table, through
-extproc/errors.py's SPEC) or the engine's own answer, with the content checked against the tag.
+extproc/protocol/errors.py's SPEC) or the engine's own answer, with the content checked against the tag.
 
 Kinds: P/D chat and completions, streamed and not; passthrough (no prefill header); refused requests
 (each with the one code it must get); client disconnects at a random point; large bodies.
@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from extproc.errors import SPEC, Code
+from extproc.protocol.errors import SPEC, Code
 from pd_extproc_lab.emulator.text import chat_prompt, completion_prompt, generate
 
 # Codes Envoy answers itself (local_reply_config); every other code comes from our server.

@@ -43,15 +43,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from bench.workload import CHAT_PATH, chat_body
 from extproc.app import ExtProcServer
 from extproc.config import load_settings
-from extproc.core import inspector as body_inspector
-from extproc.core import processor
-from extproc.core.admission import Admission
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy import messages as envoy_messages
 from extproc.envoy.stream import ExtProcServicer
 from extproc.observability import logs
 from extproc.observability.metrics import Metrics
-from extproc.units import parse_address
+from extproc.pipeline import inspector as body_inspector
+from extproc.pipeline import processor
+from extproc.pipeline.admission import Admission
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.units import parse_address
 from extproc.upstream.client import WorkerClient
 
 # Stage names, in a request's order. "protobuf parse" and "protobuf serialise" are grpc's work on our
@@ -153,6 +153,7 @@ def _stage_targets(server: Any) -> list[tuple[object, str, str]]:
         (WorkerClient, "post", "prefill leg"),
         (adapter_type, "decide", "handoff check"),
         (envoy_messages, "continue_headers", "protobuf reply"),
+        (envoy_messages, "reply", "protobuf reply"),  # the pipeline's decision into the reply below
         (envoy_messages, "replace_body", "protobuf reply"),
         (envoy_messages, "immediate", "protobuf reply"),
         (Metrics, "finish", "metrics"),

@@ -40,9 +40,9 @@ from bench import envoy_plain, procs
 from bench.workers import CheapWorker, Worker, emulated_vllm
 from bench.workload import MODEL as WORKLOAD_MODEL
 from extproc.config import load_settings
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import render_yaml
-from extproc.units import parse_address
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.units import parse_address
 from pd_extproc_lab import process
 from pd_extproc_lab.stack import RunningStack, start_stack
 

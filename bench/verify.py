@@ -17,7 +17,7 @@ import orjson
 from bench.systems import System
 from bench.workers import CheapWorker, LegCounters, Worker
 from bench.workload import CHAT_PATH, chat_body
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from pd_extproc_lab.emulator.worker import EmulatedWorker
 
 

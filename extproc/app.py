@@ -16,24 +16,23 @@ from math import nan
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from extproc.adapters import build_adapter, engines
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import ConfigError, Settings
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefills
-from extproc.core.headers import PICKER_HEADERS
-from extproc.core.inspector import Inspector, pool_size
-from extproc.core.prefill_policy import PrefillPolicy
-from extproc.core.processor import PdProcessor
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
 from extproc.observability.httpserver import HttpServer, Request, Response
 from extproc.observability.metrics import Metrics
-from extproc.settings_spec import SecretFileError
-from extproc.units import Address
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefills
+from extproc.pipeline.inspector import Inspector, pool_size
+from extproc.pipeline.processor import PdProcessor
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.prefill_policy import PrefillPolicy
+from extproc.protocol.settings_spec import SecretFileError
+from extproc.protocol.units import Address
 from extproc.upstream.client import WorkerClient, WorkerLimits, WorkerTls, tls_context
 from extproc.upstream.decode_queue import DecodeQueueWatch, QueueLimit
 from extproc.upstream.decode_target import DecodeTarget, Unresolvable
@@ -174,7 +173,7 @@ class ExtProcServer:
             ("grpc.max_concurrent_streams", 0x7FFFFFFF),
         ])
         passthrough = self.metrics.passthroughs.inc if settings.mode == "gateway" else None
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.processor, passthrough), self.grpc)
+        ExtProcServicer(self.processor, passthrough).add_to(self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         try:
             self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())

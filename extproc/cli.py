@@ -37,8 +37,8 @@ from extproc.config import (
     specs,
 )
 from extproc.observability import logs
-from extproc.settings_spec import ENV_PREFIX
-from extproc.units import Address, parse_address
+from extproc.protocol.settings_spec import ENV_PREFIX
+from extproc.protocol.units import Address, parse_address
 
 log = logging.getLogger("extproc.cli")
 EXIT_CONFIG = 2

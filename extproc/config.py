@@ -17,9 +17,9 @@ from typing import Any
 
 from extproc.adapters import KILL_SWITCH, engines, protocol_problem
 from extproc.adapters.base import Flow
-from extproc.core.prefill_policy import Rule, describe, parse_allow_list
 from extproc.cpus import auto_workers
-from extproc.settings_spec import (
+from extproc.protocol.prefill_policy import Rule, describe, parse_allow_list
+from extproc.protocol.settings_spec import (
     ENV_PREFIX,
     SettingSpec,
     choice,
@@ -32,7 +32,7 @@ from extproc.settings_spec import (
     show_plain,
     text_value,
 )
-from extproc.units import Address, format_duration, parse_address, parse_duration
+from extproc.protocol.units import Address, format_duration, parse_address, parse_duration
 from extproc.upstream.client import KEEPALIVE_SECONDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

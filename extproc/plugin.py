@@ -26,10 +26,10 @@ from extproc.adapters.base import (
     SequentialAdapter,
     ServerInfo,
 )
-from extproc.adapters.prefill_json import parse_prefill_object, upstream_status_error
 from extproc.clock import Clock, FakeClock, MonotonicClock
-from extproc.core import jsonspan
-from extproc.core.fields import (
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Code, PdError, Problem
+from extproc.protocol.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -43,9 +43,9 @@ from extproc.core.fields import (
     null_or,
     set_members,
 )
-from extproc.core.openai_request import ClientRequest, Endpoint
-from extproc.errors import Code, PdError, Problem
-from extproc.settings_spec import (
+from extproc.protocol.openai_request import ClientRequest, Endpoint
+from extproc.protocol.prefill_json import parse_prefill_object, upstream_status_error
+from extproc.protocol.settings_spec import (
     SecretFileError,
     SettingSpec,
     choice,
@@ -59,8 +59,8 @@ from extproc.settings_spec import (
     read_token_file,
     text_value,
 )
+from extproc.protocol.transport import WorkerAddress, WorkerReply
 from extproc.upstream.fake_transport import FakeTransport, RecordedCall, ScriptedAnswer
-from extproc.upstream.transport import WorkerAddress, WorkerReply
 
 __all__ = [
     "AnswerDirectly",

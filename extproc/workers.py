@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.clock import Clock
-from extproc.core.admission import Admission
-from extproc.errors import Code, PdError
-from extproc.units import Address
+from extproc.pipeline.admission import Admission
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.units import Address
 from extproc.upstream.decode_queue import fresh, over
 
 _SLOT = 8  # bytes: one signed 64-bit count per worker

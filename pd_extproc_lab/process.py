@@ -25,7 +25,7 @@ import orjson
 
 from extproc import ready
 from extproc.envoy import runner
-from extproc.units import Address
+from extproc.protocol.units import Address
 
 _PR_SET_PDEATHSIG = 1
 

@@ -15,8 +15,8 @@ from extproc import ready
 from extproc.config import Settings, load_settings, specs
 from extproc.envoy import runner as envoy_runner
 from extproc.envoy.bootstrap import render_yaml
-from extproc.settings_spec import ENV_PREFIX
-from extproc.units import parse_address
+from extproc.protocol.settings_spec import ENV_PREFIX
+from extproc.protocol.units import parse_address
 from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec, start_workers
 from pd_extproc_lab.process import Child, EnvoyProcess, python_child
 

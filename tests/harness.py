@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from extproc.config import load_settings
-from extproc.units import parse_address
+from extproc.protocol.units import parse_address
 from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec
 from pd_extproc_lab.stack import RunningStack, start_stack
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from extproc.observability.metrics import SERVED_OUTCOMES
+from extproc.observability.outcomes import SERVED_OUTCOMES
 from tests.harness import Stack
 
 CHAT = "/v1/chat/completions"
@@ -188,7 +188,7 @@ def assert_served_by_decode(response: Any) -> None:
 
 def client_request(path: str, body: dict[str, Any] | bytes) -> Any:
     """A validated ClientRequest, as the processor hands it to an adapter."""
-    from extproc.core.openai_request import parse_client_request
+    from extproc.protocol.openai_request import parse_client_request
 
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return parse_client_request(path, "application/json", raw, 1 << 20)

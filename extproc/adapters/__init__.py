@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 
 from extproc.adapters.base import Adapter, Disabled, Engine, Flow, Options
+from extproc.protocol.openai_request import OPENAI_ENDPOINTS, Endpoint
 
 BUILTIN_MODULES = ("extproc.adapters.vllm_nixl", "extproc.adapters.sglang", "extproc.adapters.trtllm")
 ENTRY_POINT_GROUP = "pd_extproc.engines"
@@ -61,6 +62,15 @@ def adapter_flow(adapter: str) -> Flow | None:
     """The flow of a registered adapter (None for the ``none`` kill switch)."""
     engine = engines().get(adapter)
     return engine.flow if engine is not None else None
+
+
+def served(adapter: str) -> frozenset[Endpoint]:
+    """The endpoints the adapter serves P/D: one source for the sidecar's route (envoy/bootstrap.py), the
+    gateway parts' matcher and the manifests (chat and completions for the kill switch, whose route refuses
+    them all)."""
+    if adapter == KILL_SWITCH or adapter not in engines():
+        return OPENAI_ENDPOINTS
+    return engines()[adapter].endpoints
 
 
 def protocol_problem(adapter: str, protocol: str) -> str | None:

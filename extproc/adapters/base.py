@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-from extproc.core.fields import ReservedField
-from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
-from extproc.settings_spec import SettingSpec
-from extproc.upstream.transport import WorkerAddress, WorkerReply
+from extproc.protocol.fields import ReservedField
+from extproc.protocol.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
+from extproc.protocol.settings_spec import SettingSpec
+from extproc.protocol.transport import WorkerAddress, WorkerReply
 
 
 class Flow(Enum):

@@ -40,14 +40,14 @@ from extproc.adapters.base import (
     PlanInput,
     QueueGauges,
 )
-from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.adapters.prefill_request import one_token_unstreamed
-from extproc.core import jsonspan
-from extproc.core.fields import ReservedField, handoff_error, handoff_members, is_port, set_members
-from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
-from extproc.errors import Problem
-from extproc.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Problem
+from extproc.protocol.fields import ReservedField, handoff_error, handoff_members, is_port, set_members
+from extproc.protocol.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
+from extproc.protocol.prefill_json import parse_prefill_object
+from extproc.protocol.settings_spec import SettingSpec, existing_file, positive_duration, read_token_file
+from extproc.protocol.transport import WorkerReply
 
 PROTOCOL_0_5_23 = "sglang-0.5.23-bootstrap"
 PROTOCOLS = (PROTOCOL_0_5_23,)

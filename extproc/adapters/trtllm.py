@@ -47,10 +47,10 @@ from extproc.adapters.base import (
     QueueGauges,
     SequentialAdapter,
 )
-from extproc.adapters.prefill_json import parse_prefill_object
 from extproc.adapters.prefill_request import one_token_unstreamed
-from extproc.core import jsonspan
-from extproc.core.fields import (
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Problem
+from extproc.protocol.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -63,10 +63,10 @@ from extproc.core.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.core.openai_request import ClientRequest, Endpoint
-from extproc.errors import Problem
-from extproc.settings_spec import SettingSpec, existing_file, read_secret_file
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol.openai_request import ClientRequest, Endpoint
+from extproc.protocol.prefill_json import parse_prefill_object
+from extproc.protocol.settings_spec import SettingSpec, existing_file, read_secret_file
+from extproc.protocol.transport import WorkerReply
 
 # Builds before TensorRT-LLM PR #16002 (no request authentication) and builds with it.
 PROTOCOL_RC23 = "trtllm-1.3.0rc23-context-first"

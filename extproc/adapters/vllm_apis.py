@@ -9,9 +9,9 @@ producer request. Every other member keeps its bytes. The rules and their source
 from __future__ import annotations
 
 from extproc.adapters.prefill_request import JSON_FALSE, JSON_ONE, one_token_unstreamed
-from extproc.core import jsonspan
-from extproc.core.fields import set_members
-from extproc.core.openai_request import ClientRequest, Endpoint
+from extproc.protocol import jsonspan
+from extproc.protocol.fields import set_members
+from extproc.protocol.openai_request import ClientRequest, Endpoint
 
 
 def messages_prefill(request: ClientRequest, producer: tuple[str, bytes]) -> bytes:

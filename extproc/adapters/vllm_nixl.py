@@ -27,10 +27,9 @@ from extproc.adapters.base import (
     QueueGauges,
     SequentialAdapter,
 )
-from extproc.adapters.prefill_json import parse_prefill_member
 from extproc.adapters.prefill_request import one_token_unstreamed
 from extproc.adapters.vllm_apis import PREFILLS
-from extproc.core.fields import (
+from extproc.protocol.fields import (
     FieldRule,
     FieldRules,
     ReservedField,
@@ -42,8 +41,9 @@ from extproc.core.fields import (
     non_empty_str,
     set_members,
 )
-from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
+from extproc.protocol.prefill_json import parse_prefill_member
+from extproc.protocol.transport import WorkerReply
 
 PROTOCOL_0_32 = "vllm-0.32-nixl-pull"
 PROTOCOL_0_33 = "vllm-0.33-nixl-pull"

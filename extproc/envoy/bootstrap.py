@@ -1,6 +1,6 @@
 """Renders the Envoy bootstrap from Settings: one source of truth for ports, timeouts and limits.
 
-Route "pd" (POST to a path the adapter serves P/D, envoy/pd_paths.py, carrying x-prefiller-host-port) runs
+Route "pd" (POST to a path the adapter serves P/D, adapters.served, carrying x-prefiller-host-port) runs
 ext_proc; every other request takes route "passthrough", where our server is never called. The ext_proc
 filter is disabled by default in the connection manager and enabled by the pd route alone, so Envoy does
 not even build the filter for a passthrough request (a route that disables it with ExtProcPerRoute would
@@ -14,17 +14,16 @@ from typing import Any
 
 import yaml
 
-from extproc.adapters import adapter_flow, engines
+from extproc.adapters import adapter_flow, engines, served
 from extproc.adapters.base import Flow
 from extproc.config import Settings
-from extproc.core.headers import PICKER_HEADERS
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
-from extproc.envoy import pd_paths
 from extproc.envoy.guard import LUA_RESPONSE_DETAILS, disabled_on_route, guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
-from extproc.envoy.pd_request import PD_METHOD
-from extproc.errors import SPEC, Code
-from extproc.units import Address, format_duration
+from extproc.protocol.errors import SPEC, Code
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.pd_request import PD_METHOD, path_regex
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.units import Address, format_duration
 from extproc.workers import worker_listens
 
 EXT_PROC_CLUSTER = "pd_extproc"
@@ -215,7 +214,7 @@ def _routes(settings: Settings, pd_enabled: bool) -> list[dict[str, Any]]:
         "request_headers_to_remove": sorted(PICKER_HEADERS),
     })
     pd_match = {
-        "safe_regex": {"regex": pd_paths.path_regex(pd_paths.served(settings.adapter))},
+        "safe_regex": {"regex": path_regex(served(settings.adapter))},
         "headers": [
             {"name": ":method", "string_match": {"exact": PD_METHOD}},
             {"name": PREFILL_TARGET_HEADER, "present_match": True},

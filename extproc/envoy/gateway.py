@@ -11,9 +11,9 @@ through after its headers message: the reply turns off the rest of the stream (`
 body, no response headers), and Envoy closes the stream after it. A request with the header that is not
 P/D (another method or path: the picker may tag any request of the route) is never let through unseen:
 its body is checked for steering members (``steering_refusal``, in a worker process when the body is
-over 16 KiB: core/inspector.py), because the client guard is skipped for
+over 16 KiB: pipeline/inspector.py), because the client guard is skipped for
 tagged requests only when they are P/D. A P/D request is one the sidecar's pd route would match
-(envoy/pd_request.py): POST to a path the adapter serves P/D (envoy/pd_paths.py) carrying
+(protocol/pd_request.py): POST to a path the adapter serves P/D (adapters.served) carrying
 x-prefiller-host-port. Its body reply drops the picker's headers too (the sidecar's pd route drops them;
 the gateway's route may not): the processor removes them as it builds that reply (app.py passes them),
 since a reply may be shared and is never changed after it was built.
@@ -34,13 +34,13 @@ import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from extproc.core.headers import PICKER_HEADERS
-from extproc.core.inspection import Refusal
-from extproc.core.steering import STEERING_FIELDS, refuse_steering
 from extproc.envoy import messages as msg
-from extproc.envoy.messages import RequestHead
-from extproc.envoy.pd_request import OPENAI_PATHS, PREFILL_TARGET_HEADER, is_pd
-from extproc.errors import PdError
+from extproc.protocol.errors import PdError
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.inspection import Refusal
+from extproc.protocol.pd_request import OPENAI_PATHS, PREFILL_TARGET_HEADER, is_pd
+from extproc.protocol.request_head import RequestHead
+from extproc.protocol.steering import STEERING_FIELDS, refuse_steering
 
 _Mode = processing_mode_pb2.ProcessingMode
 PASSTHROUGH_MODE = _Mode(
@@ -59,7 +59,7 @@ def is_tagged(head: RequestHead) -> bool:
 
 
 def is_pd_request(head: RequestHead, paths: frozenset[str] = OPENAI_PATHS) -> bool:
-    """A request the sidecar's pd route would take (envoy/pd_request.py: the one rule); ``paths`` are the
+    """A request the sidecar's pd route would take (protocol/pd_request.py: the one rule); ``paths`` are the
     adapter's P/D paths (PdProcessor.pd_paths)."""
     return is_pd(head.first(":method"), head.path, is_tagged(head), paths)
 

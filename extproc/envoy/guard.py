@@ -15,8 +15,8 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
-from extproc.core.steering import EMPTY_OBJECT_TOLERATED, STEERING_FIELDS, STEERING_HEADERS
-from extproc.errors import Code, error_body
+from extproc.protocol.errors import Code, error_body
+from extproc.protocol.steering import EMPTY_OBJECT_TOLERATED, STEERING_FIELDS, STEERING_HEADERS
 
 LUA_FILTER = "envoy.filters.http.lua"
 # Details of a Lua filter's own reply (Envoy's HttpResponseCodeDetails LuaResponse): our generic

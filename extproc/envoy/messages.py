@@ -1,4 +1,5 @@
-"""Conversions between Envoy ext_proc protobuf messages and our plain values. Pure.
+"""Conversions between Envoy ext_proc protobuf messages and our plain values (the request's head in, the
+pipeline's decisions out). Pure; with stream.py and gateway.py the only code that builds or reads them.
 
 Envoy sends header values in ``raw_value`` (bytes) and ignores ``value`` on mutations, so both
 directions use ``raw_value`` only.
@@ -7,33 +8,15 @@ directions use ``raw_value`` only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
-from extproc.errors import Code, error_body
-
-JSON = b"application/json"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    """What we know of the HTTP request before its body: path (with query) and headers."""
-
-    path: str
-    headers: tuple[tuple[str, str], ...]  # lower-case names, every occurrence, in order
-
-    def values(self, name: str) -> list[str]:
-        return [value for key, value in self.headers if key == name]
-
-    def first(self, name: str) -> str | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+from extproc.pipeline.decisions import JSON, LocalReply, SendToDecode
+from extproc.protocol.errors import Code, error_body
+from extproc.protocol.request_head import RequestHead
 
 
 def head_from_headers(message: pb.HttpHeaders) -> RequestHead:
@@ -102,6 +85,13 @@ def replace_body(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
     mutation.remove_headers.extend(remove_headers)
     common.body_mutation.body = body
     return response
+
+
+def reply(decision: SendToDecode | LocalReply) -> pb.ProcessingResponse:
+    """The pipeline's decision as Envoy's reply to the request's body (or headers) message."""
+    if isinstance(decision, SendToDecode):
+        return replace_body(decision.body, decision.set_headers, decision.remove_headers, decision.metadata)
+    return immediate(decision.status, decision.body, decision.details, decision.headers, decision.content_type)
 
 
 def immediate(status: int, body: bytes, details: str, extra_headers: Sequence[tuple[str, bytes]] = (),

@@ -27,9 +27,8 @@ from typing import Any
 import yaml
 from google.protobuf import json_format
 
+from extproc.adapters import served
 from extproc.config import Settings
-from extproc.core.headers import PICKER_HEADERS
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
 from extproc.envoy.bootstrap import (
     _EXT_PROC_PER_ROUTE,
     _FILTER_CONFIG,
@@ -52,10 +51,11 @@ from extproc.envoy.bootstrap import (
 from extproc.envoy.gateway import PASSTHROUGH_MODE
 from extproc.envoy.guard import guard_filter, stripped_headers
 from extproc.envoy.messages import METADATA_NAMESPACE
-from extproc.envoy.pd_paths import served
-from extproc.envoy.pd_request import PD_METHOD, full_path_regex
-from extproc.errors import Code
-from extproc.units import Address
+from extproc.protocol.errors import Code
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.pd_request import PD_METHOD, full_path_regex
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.units import Address
 
 SIDECAR_ROUTE = "pd"  # the bootstrap's P/D route; the parts keep its name (the timing loggers' CEL uses it)
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
@@ -233,7 +233,7 @@ def _header_matches(name: str, regex: str) -> dict[str, Any]:
         "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
 
 
-# What our server reads as P/D (envoy/pd_request.py, the one rule), as a matcher. The header rule is ".+":
+# What our server reads as P/D (protocol/pd_request.py, the one rule), as a matcher. The header rule is ".+":
 # an empty x-prefiller-host-port is P/D to the server (refused invalid_prefill_target) and not here, so the
 # guard reads such a body too: skipping less than the server reads is safe, skipping more never is.
 def _pd_request(adapter: str) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def gateway_guard_filter(adapter: str, *, allow_compressed: bool = False,
                          allow_form_json: bool = False) -> dict[str, Any]:
     """The client guard (envoy/guard.py: no body member that steers an engine reaches one) for the
     requests our server does not read as P/D: put right after the picker, it is skipped only for a request
-    our server, running ``adapter``, will read as P/D (envoy/pd_request.py), whose body our server checks.
+    our server, running ``adapter``, will read as P/D (protocol/pd_request.py), whose body our server checks.
     A tagged request of another method or path is read by both (gateway.steering_refusal)."""
     guard = guard_filter(allow_compressed=allow_compressed, allow_form_json=allow_form_json)
     skip = _pd_request(adapter)

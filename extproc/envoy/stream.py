@@ -16,11 +16,12 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.core.background import BackgroundPrefill
-from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
+from extproc.pipeline.background import BackgroundPrefill
+from extproc.pipeline.processor import PdProcessor, Pending
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.request_head import RequestHead
 
 log = logging.getLogger("extproc.server")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -49,7 +50,7 @@ class _Stream:
     """One ext_proc stream's state, owned by its Process call."""
 
     phase: Phase = Phase.HEADERS
-    head: msg.RequestHead | None = None
+    head: RequestHead | None = None
     pending: Pending | None = None  # set in BODY: the request's record, not yet finished
     background: BackgroundPrefill | None = None  # a concurrent engine's prefill, still running
     decode_answered: bool = False
@@ -62,6 +63,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         (extproc/envoy/gateway.py)."""
         self._processor = processor
         self._passthrough = passthrough
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        """Serve Envoy's ext_proc service on ``server`` (app.py's gRPC server) with this servicer."""
+        pb_grpc.add_ExternalProcessorServicer_to_server(self, server)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -95,7 +100,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return msg.continue_response_headers(), False
         stream.decode_answered = True
         status = msg.response_status(request.response_headers)
-        return await self._processor.on_decode_answer(stream.background, status), False
+        answer = await self._processor.on_decode_answer(stream.background, status)
+        return (msg.continue_response_headers() if answer is None else msg.reply(answer)), False
 
     async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
@@ -107,10 +113,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._passthrough()
             return gateway.passthrough(), True
         outcome = await self._processor.on_headers(stream.head)
-        if isinstance(outcome, pb.ProcessingResponse):
-            return outcome, True
+        if not isinstance(outcome, Pending):
+            return msg.reply(outcome), True
         if headers.end_of_stream:  # a P/D POST without a body
-            return self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY), True
+            return msg.reply(self._processor.refuse_now(outcome, Code.INVALID_REQUEST_BODY)), True
         stream.pending, stream.phase = outcome, Phase.BODY
         return msg.continue_headers(), False
 
@@ -120,10 +126,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if not body.end_of_stream:  # a chunk: the mode is not BUFFERED, and we read whole bodies only
             _log_out_of_order(stream.phase, "request_body chunk")
             stream.phase = Phase.DONE
-            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR), True
+            return msg.reply(self._processor.refuse_now(pending, Code.INTERNAL_ERROR)), True
         outcome = await self._processor.on_body(stream.head, pending, body.body)
         stream.background, stream.phase = outcome.background, Phase.DECODE_ANSWER
-        return outcome.response, False  # as built: a reply may be shared, nothing here changes one
+        return msg.reply(outcome.decision), False
 
     async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
         stream.phase = Phase.DONE
@@ -150,7 +156,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         _log_out_of_order(stream.phase, kind or "empty message")
         pending, stream.pending, stream.phase = stream.pending, None, Phase.DONE
         if pending is not None:
-            return self._processor.refuse_now(pending, Code.INTERNAL_ERROR)
+            return msg.reply(self._processor.refuse_now(pending, Code.INTERNAL_ERROR))
         return msg.error_reply(Code.INTERNAL_ERROR, 500)
 
 

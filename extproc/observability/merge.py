@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from extproc.upstream.prom_text import series_and_value
+from extproc.protocol.prom_text import series_and_value
 
 SAME_EVERYWHERE = frozenset({"pd_extproc_build_info"})
 RISING_TYPES = frozenset({"counter", "histogram"})  # families whose every sample only ever rises

@@ -11,13 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from extproc._version import __version__
-from extproc.upstream.transport import ExchangeTimings
-
-# Outcomes that mean the request was served: by decode, whole by a TensorRT-LLM context phase, or whole
-# by decode after a prefill failure with PD_EXTPROC_PREFILL_FALLBACK. With ``cancelled`` (the client
-# left) these are the outcomes that are not errors; every other outcome is an error code from
-# extproc/errors.py.
-SERVED_OUTCOMES = frozenset({"ok", "answered_by_prefill", "prefill_fallback"})
+from extproc.protocol.transport import ExchangeTimings
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import RequestTrace

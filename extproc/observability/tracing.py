@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from extproc.observability.metrics import SERVED_OUTCOMES
+from extproc.observability.outcomes import SERVED_OUTCOMES
 
 log = logging.getLogger("extproc.tracing")
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from extproc.clock import Clock
-from extproc.core.prefill_policy import PrefillPolicy, first_allowed
-from extproc.core.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
-from extproc.core.relayed_error import RELAYED_STATUSES
-from extproc.errors import Code, PdError
-from extproc.lru import Lru
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.lru import Lru
+from extproc.protocol.prefill_policy import PrefillPolicy, first_allowed
+from extproc.protocol.relayed_error import MAX_BODY_BYTES as RELAYED_MAX_BODY_BYTES
+from extproc.protocol.relayed_error import RELAYED_STATUSES
+from extproc.protocol.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 from extproc.upstream import http1
-from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
 # The default idle limit (PD_EXTPROC_PREFILL_KEEPALIVE): an idle pooled connection older than this is
 # closed, not reused. Below the engines' own keep-alive (5 s: vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE in
@@ -261,7 +261,7 @@ class WorkerClient:
 
     async def _error_body(self, connection: http1.Connection, head: http1.Head, gap: float) -> bytes:
         """An error answer's body, only where it may be the engine's own error about the request
-        (core/relayed_error.py); empty when it is not, too large or not complete. Never reused after."""
+        (protocol/relayed_error.py); empty when it is not, too large or not complete. Never reused after."""
         if head.status not in RELAYED_STATUSES:
             return b""
         try:

@@ -18,12 +18,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from extproc.adapters.base import QueueGauges
 from extproc.clock import Clock
-from extproc.errors import PdError
+from extproc.protocol.errors import PdError
+from extproc.protocol.prom_text import gauge_values
+from extproc.protocol.transport import ResolvedTarget, Transport
 from extproc.upstream.decode_target import DecodeTarget, resolved
-from extproc.upstream.prom_text import gauge_values
-from extproc.upstream.transport import ResolvedTarget, Transport
 
 log = logging.getLogger("extproc.decode_queue")
 STALE_AFTER_INTERVALS = 3
@@ -43,6 +42,17 @@ def waiting_from(page: bytes, names: Sequence[str]) -> float | None:
     """The sum of every sample of the named metrics (all label sets), None if none of them is there."""
     values = list(gauge_values(page, names))
     return sum(values) if values else None
+
+
+class QueueGauges(Protocol):
+    """Where the engine reports its waiting requests (``Engine.decode_queue``, given by app.py): a
+    Prometheus text page and the gauges to sum."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
 
 
 class QueueLimit(Protocol):

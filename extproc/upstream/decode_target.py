@@ -13,8 +13,8 @@ import logging
 import socket
 
 from extproc.clock import Clock
-from extproc.units import Address
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress
+from extproc.protocol.transport import ResolvedTarget, WorkerAddress
+from extproc.protocol.units import Address
 
 log = logging.getLogger("extproc.decode")
 RESOLVE_TTL = 30.0

@@ -14,11 +14,11 @@ from typing import Any
 
 import orjson
 
-from extproc.adapters.prefill_json import upstream_status_error
 from extproc.clock import Clock
-from extproc.core import jsonspan
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import ResolvedTarget, Transport
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prefill_json import upstream_status_error
+from extproc.protocol.transport import ResolvedTarget, Transport
 
 SERVER_INFO_TTL = 60.0  # seconds a discovered document is reused for one endpoint
 SERVER_INFO_ENTRIES = 1024  # endpoints remembered at most (least recently fetched dropped first)

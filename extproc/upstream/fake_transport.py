@@ -1,6 +1,6 @@
 """A transport for tests: no sockets, each call answered from a script and recorded.
 
-The processor takes its transport as an argument (upstream.transport.Transport), so a test hands it
+The processor takes its transport as an argument (protocol.transport.Transport), so a test hands it
 this one, scripts what the workers answer, and reads back what each leg was sent (as httpx's
 MockTransport does for an httpx client). Exported to engine authors by extproc.plugin.
 """
@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from extproc.errors import PdError
-from extproc.upstream.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
+from extproc.protocol.errors import PdError
+from extproc.protocol.transport import Bounds, ExchangeTimings, ResolvedTarget, WorkerAddress, WorkerReply
 
 # A scripted answer: a reply, an error to raise, or a coroutine function to await (one that waits on an
 # event the test sets, say, or raises something else).

@@ -16,7 +16,7 @@ import sys
 from typing import Any, Protocol
 
 from extproc import ready
-from extproc.units import Address
+from extproc.protocol.units import Address
 
 ROLES = ("prefill", "decode", "both")
 

@@ -33,8 +33,8 @@ import aiohttp
 import orjson
 
 from extproc.observability.httpserver import Request, Response
-from extproc.settings_spec import read_token_file
-from extproc.units import parse_duration
+from extproc.protocol.settings_spec import read_token_file
+from extproc.protocol.units import parse_duration
 from pd_extproc_lab.emulator import common, text
 from pd_extproc_lab.emulator.behaviour import Behaviour
 from pd_extproc_lab.emulator.control import Control, Received

@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from extproc.observability.httpserver import Request, Response
-from extproc.units import parse_duration
+from extproc.protocol.units import parse_duration
 from pd_extproc_lab.emulator import common, text, vllm_apis
 from pd_extproc_lab.emulator.behaviour import Behaviour
 from pd_extproc_lab.emulator.control import Control, Received

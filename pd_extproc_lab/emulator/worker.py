@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from extproc import ready
-from extproc.upstream.prom_text import sample_values
+from extproc.protocol.prom_text import sample_values
 from pd_extproc_lab.process import Child
 
 

@@ -17,7 +17,7 @@ import yaml
 from deploy import render_manifests as rm
 from extproc._version import __version__
 from extproc.config import Settings
-from extproc.core.prefill_policy import PrefillPolicy
+from extproc.protocol.prefill_policy import PrefillPolicy
 from tests.deploy.conftest import Manifests
 
 pytestmark = pytest.mark.deploy

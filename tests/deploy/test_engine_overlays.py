@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from deploy import validate
-from extproc.envoy import pd_paths
+from extproc import adapters
+from extproc.protocol.pd_request import path_regex
 from tests.deploy.conftest import Manifests
 from tests.deploy.test_epp_config import PLUGINS, check, epp_config, pod_labels
 
@@ -97,7 +98,7 @@ def test_in_flight_limit_matches_the_decode_engines_capacity(overlay: Path) -> N
 
 def test_the_route_sends_exactly_the_paths_the_adapter_serves_pd_and_envoy_agrees(overlay: Path) -> None:
     manifests = _manifests(overlay)
-    served = {endpoint.value for endpoint in pd_paths.served(_settings(manifests)["PD_EXTPROC_ADAPTER"])}
+    served = {endpoint.value for endpoint in adapters.served(_settings(manifests)["PD_EXTPROC_ADAPTER"])}
     [rule] = manifests.get("HTTPRoute", "pd-route")["spec"]["rules"]
     matches = [m["path"] for m in rule["matches"]]
     prefixes = [m["value"] for m in matches if m["type"] == "PathPrefix"]
@@ -107,7 +108,7 @@ def test_the_route_sends_exactly_the_paths_the_adapter_serves_pd_and_envoy_agree
     assert exact <= served, exact - served
     # The decode pod's Envoy (rendered from the same settings) routes the same paths P/D.
     bootstrap = validate.envoy_configs()[f"{validate._rel(overlay)} (init container envoy-config)"]
-    assert pd_paths.path_regex(frozenset(pd_paths.served(ENGINE[overlay][0]))) in bootstrap
+    assert path_regex(frozenset(adapters.served(ENGINE[overlay][0]))) in bootstrap
 
 
 def test_sglang_decode_asks_the_port_the_prefill_bootstrap_server_listens_on() -> None:

@@ -17,12 +17,12 @@ from deploy import crd_schema, validate
 from deploy import render_manifests as rm
 from deploy.envfile import read_env_file
 from extproc.config import ENVOY_MESSAGE_MARGIN, load_settings
-from extproc.core.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
 from extproc.envoy.guard import lua_source, stripped_headers
 from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, early_header_mutation, gateway_local_reply_mappers
-from extproc.errors import SPEC, Code, error_body
-from extproc.settings_spec import positive_size
-from extproc.units import parse_address, parse_duration
+from extproc.protocol.errors import SPEC, Code, error_body
+from extproc.protocol.headers import DATA_PARALLEL_RANKS, PICKER_HEADERS
+from extproc.protocol.settings_spec import positive_size
+from extproc.protocol.units import parse_address, parse_duration
 
 pytestmark = pytest.mark.deploy
 

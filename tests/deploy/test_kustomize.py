@@ -12,7 +12,7 @@ import pytest
 from deploy import validate
 from extproc._version import __version__
 from extproc.config import Settings
-from extproc.units import parse_size
+from extproc.protocol.units import parse_size
 from tests.deploy.conftest import OVERLAYS, Manifests
 from tests.deploy.test_consistency import provider
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from extproc.envoy.bootstrap import render_yaml
-from extproc.units import parse_address
+from extproc.protocol.units import parse_address
 from tests.harness import Stack, running_stack
 from tests.helpers import CHAT, chat_body
 from tests.ports import unused_port

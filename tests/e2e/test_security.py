@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trustme
 
-from extproc.errors import SPEC, Code
+from extproc.protocol.errors import SPEC, Code
 from tests.conftest import SUMMARY
 from tests.harness import Stack, Worker, WorkerSpec, running_stack
 from tests.helpers import (

@@ -30,8 +30,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from extproc.core.steering import EMPTY_OBJECT_TOLERATED, STEERING_FIELDS
 from extproc.envoy.guard import FORM_JSON_FIELDS, lua_source
+from extproc.protocol.steering import EMPTY_OBJECT_TOLERATED, STEERING_FIELDS
 from tests.harness import REPO
 
 pytestmark = pytest.mark.guard_parsers

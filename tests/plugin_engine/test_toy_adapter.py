@@ -25,7 +25,7 @@ def test_the_toy_prefill_leg_gets_one_token_and_decode_gets_its_handoff() -> Non
         outcome = await r.processor.on_body(request_head, pending, json.dumps(BODY).encode())
         (prefill,) = r.transport.calls
         assert json.loads(prefill.body or b"") == {**BODY, "max_tokens": 1, "stream": False}
-        decode = json.loads(outcome.response.request_body.response.body_mutation.body)
+        decode = json.loads(outcome.decision.body)
         assert decode == {**BODY, KEY: "abc", "toy_greeting": "hello"}
 
     asyncio.run(run())
@@ -37,7 +37,7 @@ def test_a_toy_prefill_answer_without_a_handoff_never_reaches_decode() -> None:
         r.transport.answers.append(WorkerReply(200, "application/json", b'{"id": "toy"}'))
         request_head, pending = await start(r, BODY)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(BODY).encode())
-        assert error_code(outcome.response) == "invalid_prefill_handoff"
+        assert error_code(outcome.decision) == "invalid_prefill_handoff"
         assert [call.method for call in r.transport.calls] == ["POST"], "the prefill leg only"
 
     asyncio.run(run())

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 
-from extproc.units import parse_address
+from extproc.protocol.units import parse_address
 from tests.harness import Stack, running_stack
 from tests.realvllm import engine
 from tests.realvllm.engine import Engine, EngineStartError, NixlCounters

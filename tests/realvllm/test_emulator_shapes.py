@@ -172,7 +172,7 @@ GEN_APIS = {
 def gen_api_legs(prefill: httpx.Client, decode: httpx.Client, path: str, body: dict[str, Any]) -> tuple[Reply, Reply]:
     """Both legs by hand with the prefill body our adapter derives (vllm_apis.py)."""
     from extproc.adapters.vllm_nixl import VllmNixlAdapter, prefill_body
-    from extproc.core.openai_request import parse_client_request
+    from extproc.protocol.openai_request import parse_client_request
 
     client = parse_client_request(path, "application/json", orjson.dumps(body), 1 << 20,
                                   served=VllmNixlAdapter.endpoints)

@@ -8,8 +8,8 @@ import json
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from extproc.core.headers import PICKER_HEADERS
 from extproc.envoy.gateway import PASSTHROUGH_MODE
+from extproc.protocol.headers import PICKER_HEADERS
 from tests.ext_proc_messages import body_message, error_of, headers_message
 from tests.helpers import closed_port
 from tests.servicer.test_servicer import CHAT, Harness, run

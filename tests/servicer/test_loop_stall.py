@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.loop_stall import worst_shape_chat
 from extproc.app import EXT_PROC_SERVICE
-from extproc.core.inspection import Inspected, Refusal, Rules, inspect_answer
-from extproc.core.inspector import Inspector
-from extproc.envoy import messages as msg
+from extproc.pipeline.inspector import Inspector
+from extproc.protocol.inspection import Inspected, Refusal, Rules, inspect_answer
+from extproc.protocol.request_head import RequestHead
 from tests.servicer.test_servicer import CHAT, Harness, body_message, error_of, headers_message, run
 
 # Refused after the whole inspection (a reserved field), so the big request runs no prefill leg.
@@ -41,7 +41,7 @@ async def _answers_while_big_is_inspected(h: Harness, big: bytes,
     big_arrived = asyncio.Event()
     on_body = h.server.processor.on_body
 
-    async def watched(head: msg.RequestHead, pending: Any, body: bytes) -> Any:
+    async def watched(head: RequestHead, pending: Any, body: bytes) -> Any:
         if len(body) == len(big):
             big_arrived.set()
         return await on_body(head, pending, body)

@@ -20,8 +20,8 @@ import pytest
 
 from extproc.adapters.base import PlanInput
 from extproc.adapters.sglang import BOOTSTRAP_FIELDS, RID, SglangAdapter
-from extproc.core.openai_request import parse_client_request
-from extproc.core.prefill_target import parse_prefill_target
+from extproc.protocol.openai_request import parse_client_request
+from extproc.protocol.prefill_target import parse_prefill_target
 from tests.harness import REPO
 
 pytestmark = pytest.mark.sglang_models

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 from bench import flamegraph
 
 RAW = """\
-<module> (extproc/__main__.py:1);serve (extproc/app.py:10);parse {x} (extproc/core/jsonspan.py:5) 30
+<module> (extproc/__main__.py:1);serve (extproc/app.py:10);parse {x} (extproc/protocol/jsonspan.py:5) 30
 <module> (extproc/__main__.py:1);serve (extproc/app.py:10);send (grpc/aio.py:3) 10
 <module> (extproc/__main__.py:1);Thread.run (threading.py:1) 60
 not a stack line
@@ -22,7 +22,7 @@ def test_the_tree_counts_every_stacks_samples_in_each_frame() -> None:
     serve = module.children["serve (extproc/app.py:10)"]
     assert (module.samples, serve.samples) == (100, 40)
     assert {name: child.samples for name, child in serve.children.items()} == {
-        "parse {x} (extproc/core/jsonspan.py:5)": 30, "send (grpc/aio.py:3)": 10}
+        "parse {x} (extproc/protocol/jsonspan.py:5)": 30, "send (grpc/aio.py:3)": 10}
 
 
 def test_the_svg_is_well_formed_and_each_width_is_the_share_of_samples() -> None:

@@ -12,12 +12,12 @@ from extproc.adapters.sglang import OVERRIDE_HEADERS, SglangAdapter
 from extproc.adapters.trtllm import AUTH_HEADER, TrtllmAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
 from extproc.config import ConfigError, load_settings
-from extproc.core.openai_request import parse_client_request
-from extproc.core.relayed_error import MAX_MESSAGE_CHARS, Shape, relayable_error
-from extproc.core.steering import STEERING_FIELDS, STEERING_HEADER_NAMES, refuse_steering
 from extproc.envoy.bootstrap import render
 from extproc.envoy.guard import LUA_FILTER, lua_source
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.openai_request import parse_client_request
+from extproc.protocol.relayed_error import MAX_MESSAGE_CHARS, Shape, relayable_error
+from extproc.protocol.steering import STEERING_FIELDS, STEERING_HEADER_NAMES, refuse_steering
 
 
 def test_every_adapters_reserved_field_and_header_is_in_the_catalogue() -> None:

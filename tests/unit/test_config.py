@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.adapters.prefill_json import upstream_status_error
 from extproc.config import ENV_PREFIX, ConfigError, Settings, load_settings, specs
-from extproc.errors import Code, PdError
-from extproc.units import format_duration, parse_address, parse_duration, parse_size
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prefill_json import upstream_status_error
+from extproc.protocol.units import format_duration, parse_address, parse_duration, parse_size
 
 
 def test_defaults() -> None:

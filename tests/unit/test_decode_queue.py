@@ -7,11 +7,11 @@ import ipaddress
 
 from bench.prom_parse import vllm_like_page
 from extproc.adapters.base import QueueGauges
-from extproc.errors import Code, PdError
 from extproc.plugin import FakeClock, FakeTransport
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prom_text import gauge_values, sample_values
+from extproc.protocol.transport import ResolvedTarget, WorkerAddress, WorkerReply
 from extproc.upstream.decode_queue import DecodeQueueWatch, waiting_from
-from extproc.upstream.prom_text import gauge_values, sample_values
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress, WorkerReply
 
 DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
                         ipaddress.ip_address("127.0.0.1"), tls=False)

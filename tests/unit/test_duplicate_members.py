@@ -16,9 +16,9 @@ from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.trtllm import RULES as TRTLLM_RULES
 from extproc.adapters.trtllm import TrtllmAdapter
 from extproc.adapters.vllm_nixl import PROTOCOL_0_33, RULES, VllmNixlAdapter
-from extproc.core.processor import Pending
-from extproc.errors import PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import Pending
+from extproc.protocol.errors import PdError
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_processor import (
     CHAT_BODY,
     DECODE,
@@ -67,7 +67,7 @@ def run_sequential(adapter: Any, prefill_reply: WorkerReply) -> tuple[str, Any]:
         pending = await r.processor.on_headers(request_head)
         assert isinstance(pending, Pending)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        return error_code(outcome.response), r
+        return error_code(outcome.decision), r
 
     return asyncio.run(run())
 
@@ -192,7 +192,7 @@ def test_sglang_server_info_naming_a_key_twice_stops_before_either_leg(field: st
         pending = await r.processor.on_headers(request_head)
         assert isinstance(pending, Pending)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        assert outcome.background is None and error_code(outcome.response) == "prefill_response_not_json"
+        assert outcome.background is None and error_code(outcome.decision) == "prefill_response_not_json"
         assert [call.method for call in r.transport.calls] == ["GET"] and r.admission.inflight == 0
 
     asyncio.run(run())
@@ -213,7 +213,7 @@ def test_a_client_field_sent_twice_is_refused_before_any_leg(field: str, first: 
         assert isinstance(pending, Pending)
         body = encode(Twice({**CHAT_BODY, field: first}, field, second)).encode()
         outcome = await r.processor.on_body(request_head, pending, body)
-        assert error_code(outcome.response) == "invalid_request_body"
+        assert error_code(outcome.decision) == "invalid_request_body"
         assert r.transport.calls == []
 
     asyncio.run(run())

@@ -10,8 +10,8 @@ import pytest
 
 from extproc.config import load_settings
 from extproc.envoy.bootstrap import _LOCAL_REPLY_RULES, render, render_yaml
-from extproc.errors import SPEC, Code
-from extproc.units import parse_duration
+from extproc.protocol.errors import SPEC, Code
+from extproc.protocol.units import parse_duration
 from tests.harness import envoy_bin
 
 VARIANTS = {

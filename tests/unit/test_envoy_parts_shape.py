@@ -11,11 +11,11 @@ from typing import Any
 import yaml
 
 from extproc.config import load_settings
-from extproc.core.headers import PICKER_HEADERS
 from extproc.envoy.bootstrap import EXT_PROC_FILTER, render, timing_logs
 from extproc.envoy.guard import LUA_FILTER, guard_filter, stripped_headers
 from extproc.envoy.parts import RBAC_FILTER, gateway_parts, sidecar_parts
-from extproc.units import parse_address
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.units import parse_address
 from tests.harness import envoy_bin
 
 

@@ -18,7 +18,7 @@ from extproc.envoy.parts import (
     render_parts_yaml,
     sidecar_parts,
 )
-from extproc.errors import SPEC, Code
+from extproc.protocol.errors import SPEC, Code
 from tests.harness import envoy_bin
 
 

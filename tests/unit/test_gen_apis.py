@@ -17,13 +17,13 @@ from extproc.adapters.base import PlanInput
 from extproc.adapters.sglang import SglangAdapter, check_prefill_reply
 from extproc.adapters.vllm_nixl import VllmNixlAdapter, decode_body, prefill_body
 from extproc.config import load_settings
-from extproc.core.openai_request import Endpoint, parse_client_request
-from extproc.core.prefill_target import parse_prefill_target
-from extproc.core.processor import PdProcessor, Pending
 from extproc.envoy import gateway
 from extproc.envoy.bootstrap import render
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import PdProcessor, Pending
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.openai_request import Endpoint, parse_client_request
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_envoy_config import _hcm
 from tests.unit.test_processor import DECODE, HANDOFF, head, ok, rig
 
@@ -172,7 +172,7 @@ def run(adapter: Any, path: str, body: dict[str, Any], *answers: WorkerReply) ->
         assert isinstance(pending, Pending)
         return await r.processor.on_body(request_head, pending, json.dumps(body).encode())
 
-    return r, asyncio.run(both_phases()).response
+    return r, asyncio.run(both_phases()).decision
 
 
 def api_counts(r: Any) -> dict[tuple[str, str], float]:
@@ -194,7 +194,7 @@ def test_one_prefill_leg_on_the_clients_own_api_then_decode_with_the_handoff(
     (call,) = r.transport.calls
     assert call.path == path and json.loads(call.body or b"")["kv_transfer_params"] == PRODUCER
     assert not r.transport.posts_to(DECODE)  # decode is Envoy's leg, with the body we hand back
-    decode = json.loads(response.request_body.response.body_mutation.body)
+    decode = json.loads(response.body)
     assert decode == {**client, "kv_transfer_params": HANDOFF}
     assert api_counts(r) == {(api, "ok"): 1.0}
 
@@ -202,8 +202,8 @@ def test_one_prefill_leg_on_the_clients_own_api_then_decode_with_the_handoff(
 def test_an_error_on_the_messages_api_is_anthropic_shaped_and_no_leg_runs() -> None:
     r, response = run(VllmNixlAdapter(), "/v1/messages", {**MESSAGES, "kv_transfer_params": {"x": 1}})
     assert r.transport.calls == []
-    assert response.immediate_response.status.code == 400
-    body = json.loads(response.immediate_response.body)
+    assert response.status == 400
+    body = json.loads(response.body)
     assert body == {"type": "error", "error": {
         "type": "invalid_request_error",
         "message": "The field kv_transfer_params is set by disaggregated serving and must not be supplied by the "
@@ -216,20 +216,20 @@ def test_the_prefill_engines_own_error_on_the_messages_api_stays_anthropic_shape
     reply = WorkerReply(400, "application/json", json.dumps(engine_error).encode())
     r, response = run(VllmNixlAdapter(), "/v1/messages", MESSAGES, reply)
     assert len(r.transport.calls) == 1
-    assert json.loads(response.immediate_response.body) == engine_error
+    assert json.loads(response.body) == engine_error
 
 
 def test_an_error_on_the_responses_api_keeps_the_openai_envelope() -> None:
     r, response = run(VllmNixlAdapter(), "/v1/responses", {"input": "x", "previous_response_id": "resp_1"})
     assert r.transport.calls == []
-    error = json.loads(response.immediate_response.body)["error"]
+    error = json.loads(response.body)["error"]
     assert (error["code"], error["param"]) == ("unsupported_pd_variant", "previous_response_id")
 
 
 def test_an_adapter_without_the_new_apis_refuses_them_before_any_leg() -> None:
     r, response = run(SglangAdapter(), "/v1/messages", MESSAGES)
     assert r.transport.calls == []
-    assert json.loads(response.immediate_response.body)["error"]["type"] == "not_found_error"
+    assert json.loads(response.body)["error"]["type"] == "not_found_error"
 
 
 # --- the routes -------------------------------------------------------------------------------------
@@ -328,9 +328,9 @@ def test_a_responses_variant_kept_on_one_worker_is_served_whole_with_the_setting
         assert isinstance(pending, Pending)
         return await processor.on_body(request_head, pending, raw)
 
-    response = asyncio.run(both_phases()).response
+    response = asyncio.run(both_phases()).decision
     assert r.transport.calls == []
-    assert response.request_body.response.body_mutation.body == raw
+    assert response.body == raw
     assert api_counts(r) == {("responses", "prefill_fallback"): 1.0}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from extproc.core.headers import prefill_headers
+from extproc.protocol.headers import prefill_headers
 
 
 def test_prefill_headers_keep_end_to_end_and_drop_hop_by_hop() -> None:

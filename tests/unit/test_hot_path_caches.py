@@ -8,11 +8,11 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.clock import MonotonicClock
-from extproc.core.prefill_policy import PrefillPolicy, parse_allow_list
-from extproc.core.prefill_target import ACCEPTED_ENTRIES, PrefillTargets, parse_prefill_target
 from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
-from extproc.lru import Lru
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.lru import Lru
+from extproc.protocol.prefill_policy import PrefillPolicy, parse_allow_list
+from extproc.protocol.prefill_target import ACCEPTED_ENTRIES, PrefillTargets, parse_prefill_target
 from extproc.upstream import client as upstream
 
 LIMITS = upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,

@@ -13,12 +13,12 @@ import orjson
 import pytest
 
 from extproc.clock import FakeClock, MonotonicClock
-from extproc.core.fields import ReservedField
-from extproc.core.inspection import KEPT_VALUE_BYTES, Inspected, Refusal, Rules, inspect_answer
-from extproc.core.inspector import POOL_MAX, Inspector, pool_size
-from extproc.core.openai_request import MAX_MEMBERS, ClientRequest
-from extproc.errors import Code, PdError
-from extproc.units import Address
+from extproc.pipeline.inspector import POOL_MAX, Inspector, pool_size
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.fields import ReservedField
+from extproc.protocol.inspection import KEPT_VALUE_BYTES, Inspected, Refusal, Rules, inspect_answer
+from extproc.protocol.openai_request import MAX_MEMBERS, ClientRequest
+from extproc.protocol.units import Address
 from extproc.upstream.decode_target import DecodeTarget, Unresolvable
 from tests.helpers import eventually
 
@@ -163,8 +163,8 @@ def test_the_pool_is_bounded_by_the_cap_the_cpus_and_pool_max(monkeypatch: pytes
 
 _KILLED_SERVER = """
 import asyncio, multiprocessing, os, signal
-from extproc.core.inspection import Rules
-from extproc.core.inspector import Inspector
+from extproc.protocol.inspection import Rules
+from extproc.pipeline.inspector import Inspector
 
 async def main() -> None:
     inspector = Inspector(Rules(1 << 20), inline_max_bytes=0)

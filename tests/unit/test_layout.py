@@ -1,14 +1,17 @@
-"""The tree is the architecture: each folder is one side of it, and these import boundaries hold.
+"""The tree is the architecture: each folder is one floor of it, and imports only go down.
 
-  extproc/                the product: cli, app (the object graph), plugin (the engine author's API),
-                          config, settings_spec, errors, units, ready
-  extproc/envoy/          the Envoy side: the stream loop, ext_proc messages, bootstrap rendering, runner
-  extproc/core/           one request's P/D decision: no sockets, I/O only through the transport seam
-  extproc/adapters/       one pure module per engine
-  extproc/upstream/       the only code that reaches workers (transport seam, client, HTTP/1.1, ...)
-  extproc/observability/  metrics, tracing, logs, the health/metrics HTTP server
-  pd_extproc_lab/         emulated engines, the demo stack and its process supervisor (never on the
-                          request path)
+  floor 5  extproc/ top level      app (the object graph), cli, plugin, supervisor, network_check, ready
+  floor 4  extproc/envoy/          the edge: the only code that builds or reads Envoy's protobufs
+  floor 3  extproc/ settings       config, cpus, workers (what the edge's Envoy renderer reads)
+  floor 2  extproc/pipeline/       one request's P/D decision, returned as plain values
+  floor 1  extproc/adapters/ | extproc/upstream/ | extproc/observability/  (side by side: none imports
+           another)
+  floor 0  extproc/protocol/       the pure floor: request parsing, JSON spans, fields, steering, the
+                                   prefill policy, relayed errors, the error table, the transport seam
+  pd_extproc_lab/                  emulated engines and the demo stack (never on the request path)
+
+A module imports modules of its own room and of lower floors only; the import graph has no circle
+(``if TYPE_CHECKING:`` and function-level imports count). docs/architecture.md draws the same plan.
 """
 
 from __future__ import annotations
@@ -26,14 +29,23 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("extproc", "pd_extproc_lab")
 
+# The floors, lowest first; each floor holds one or more rooms (name prefixes). A module may import its
+# own room and any lower floor, never a higher floor nor another room of its own floor.
+FLOORS: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (("extproc.protocol", "extproc._version"),),
+    # Time as one object passed in (asyncio's sleep and timeout underneath): not pure, so off the floor.
+    (("extproc.clock",),),
+    (("extproc.adapters",), ("extproc.upstream",), ("extproc.observability",)),
+    (("extproc.pipeline",),),
+    # Settings sit under the edge: the Envoy bootstrap renders from Settings and the workers' addresses.
+    (("extproc.config", "extproc.cpus", "extproc.workers"),),
+    (("extproc.envoy",),),
+    (("extproc.app", "extproc.cli", "extproc.plugin", "extproc.supervisor", "extproc.network_check",
+      "extproc.ready", "extproc.__main__", "extproc"),),
+)
+
 # Imports that cross a boundary today, each a known piece of debt with its reason.
-DEBT = {
-    # The processor builds Envoy's ext_proc replies itself (pure protobuf builders, no gRPC): a neutral
-    # decision type converted by extproc/envoy/ would remove this, at the cost of one object per message
-    # on the hot path (issue 28 measures that path).
-    ("extproc.core.processor", "extproc.envoy.messages"),
-    ("extproc.core.processor", "envoy.service.ext_proc.v3.external_processor_pb2"),
-}
+DEBT: set[tuple[str, str]] = set()
 
 
 def modules() -> Iterator[tuple[str, Path]]:
@@ -58,6 +70,32 @@ def imports(path: Path, *, top_level_only: bool = False) -> set[str]:
     return found
 
 
+def room_of(module: str) -> tuple[int, tuple[str, ...]] | None:
+    """The floor and room of an extproc module: its longest matching prefix (``extproc`` alone only for
+    the package itself)."""
+    best: tuple[int, tuple[str, ...], str] | None = None
+    for floor, rooms in enumerate(FLOORS):
+        for room in rooms:
+            for prefix in room:
+                hit = module == prefix or (prefix != "extproc" and module.startswith(prefix + "."))
+                if hit and (best is None or len(prefix) > len(best[2])):
+                    best = (floor, room, prefix)
+    return None if best is None else (best[0], best[1])
+
+
+def module_imports(path: Path) -> set[str]:
+    """The extproc modules this file imports, as module names (``from a.b import c`` is ``a.b.c`` when
+    that is a module, else ``a.b``)."""
+    known = {name for name, _ in EXTPROC}
+    found = set()
+    for name in imports(path):
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name.startswith("extproc"):
+            found.add(name)
+    return found
+
+
 def crossing(name: str, imported: str, forbidden: tuple[str, ...]) -> bool:
     hit = any(imported == f or imported.startswith(f + ".") for f in forbidden)
     owed = any(owner == name and (debt == imported or debt.startswith(imported + ".")) for owner, debt in DEBT)
@@ -65,26 +103,122 @@ def crossing(name: str, imported: str, forbidden: tuple[str, ...]) -> bool:
 
 
 ALL = list(modules())
+EXTPROC = [(name, path) for name, path in ALL if name.split(".")[0] == "extproc"]
+GRAPH = {name: module_imports(path) - {name} for name, path in EXTPROC}
 
 
-@pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith(("extproc.core", "extproc.adapters"))],
+def test_every_module_has_a_floor() -> None:
+    """A new top-level module or folder must be placed on a floor (FLOORS) before it can be imported."""
+    assert [name for name, _ in EXTPROC if room_of(name) is None] == []
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge from a lower floor to a higher one, or between two rooms of one floor, named."""
+    bad = []
+    for name, imported in sorted(graph.items()):
+        here = room_of(name)
+        for other in sorted(imported):
+            there = room_of(other)
+            if here is None or there is None or (name, other) in DEBT:
+                continue
+            if there[0] > here[0]:
+                bad.append(f"{name} (floor {here[0]}) imports {other} (floor {there[0]}): an upward import")
+            elif there[0] == here[0] and there[1] != here[1]:
+                bad.append(f"{name} imports {other}: two rooms of floor {here[0]} ({here[1][0]}, {there[1][0]})")
+    return bad
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself), Tarjan's."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_imports_only_go_down() -> None:
+    bad = upward_imports(GRAPH)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_module_graph_has_no_circle() -> None:
+    found = circles(GRAPH)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checks_name_an_upward_import_and_a_circle() -> None:
+    """The two checks above on main's old shape (the processor building Envoy replies; metrics and
+    tracing importing each other): both fail, naming the edge."""
+    old = {"extproc.pipeline.processor": {"extproc.envoy.messages"}, "extproc.envoy.messages": set(),
+           "extproc.upstream.decode_queue": {"extproc.adapters.base"}, "extproc.adapters.base": set(),
+           "extproc.observability.metrics": {"extproc.observability.tracing"},
+           "extproc.observability.tracing": {"extproc.observability.metrics"}}
+    assert upward_imports(old) == [
+        "extproc.pipeline.processor (floor 3) imports extproc.envoy.messages (floor 5): an upward import",
+        "extproc.upstream.decode_queue imports extproc.adapters.base: two rooms of floor 2 (extproc.upstream, "
+        "extproc.adapters)"]
+    assert circles(old) == [["extproc.observability.metrics", "extproc.observability.tracing"]]
+
+
+# What the pure floor and the adapters never import: no event loop, no sockets, no threads or processes,
+# no clock, no logging, no protobufs.
+IMPURE = ("asyncio", "socket", "ssl", "selectors", "threading", "multiprocessing", "concurrent", "subprocess",
+          "urllib", "http", "mmap", "time", "random", "logging", "os", "grpc", "grpc_health", "envoy", "google",
+          "h11", "aiohttp", "prometheus_client", "opentelemetry")
+# settings_spec's two secret-file parsers read a file when config (or an engine's build) parses a
+# setting at startup, never per request.
+PURE_EXCEPTIONS = {("extproc.protocol.settings_spec", "os")}
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, p in EXTPROC if n.startswith(("extproc.protocol",
+                                                                                     "extproc.adapters"))],
                          ids=lambda value: value if isinstance(value, str) else "")
-def test_core_and_adapters_open_no_sockets_and_know_no_shell(name: str, path: Path) -> None:
-    forbidden = ("grpc", "grpc_health", "socket", "ssl", "h11", "aiohttp", "extproc.app", "extproc.cli",
-                 "extproc.envoy", "envoy", "extproc.upstream.client", "extproc.upstream.http1",
-                 "extproc.observability.httpserver", "pd_extproc_lab")
-    bad = sorted(i for i in imports(path) if crossing(name, i, forbidden))
-    assert not bad, f"{name} imports {bad}: core and adapters reach the network only through the transport seam"
+def test_the_floor_and_the_adapters_do_no_io(name: str, path: Path) -> None:
+    bad = sorted(i for i in imports(path) if i.split(".")[0] in IMPURE and (name, i.split(".")[0])
+                 not in PURE_EXCEPTIONS)
+    assert not bad, f"{name} imports {bad}: the floor and the adapters are pure"
 
 
-@pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith("extproc.adapters")],
+@pytest.mark.parametrize("name,path", EXTPROC, ids=lambda value: value if isinstance(value, str) else "")
+def test_only_the_edge_touches_envoys_protobufs(name: str, path: Path) -> None:
+    bad = sorted(i for i in imports(path) if i.split(".")[0] in ("envoy", "google"))
+    assert name.startswith("extproc.envoy.") or not bad, f"{name} imports {bad}: only extproc/envoy/ does"
+
+
+@pytest.mark.parametrize("name,path", [(n, p) for n, p in EXTPROC if n.startswith("extproc.pipeline")],
                          ids=lambda value: value if isinstance(value, str) else "")
-def test_adapters_are_pure(name: str, path: Path) -> None:
-    forbidden = ("asyncio", "logging", "time", "random", "extproc.observability", "extproc.core.processor",
-                 "extproc.core.admission", "extproc.core.background", "extproc.upstream.discovery",
-                 "extproc.upstream.decode_queue", "extproc.config")
+def test_the_pipeline_reaches_workers_only_through_the_seam(name: str, path: Path) -> None:
+    forbidden = ("grpc", "grpc_health", "socket", "ssl", "h11", "aiohttp", "extproc.upstream.client",
+                 "extproc.upstream.http1", "extproc.observability.httpserver", "pd_extproc_lab")
     bad = sorted(i for i in imports(path) if crossing(name, i, forbidden))
-    assert not bad, f"{name} imports {bad}: an adapter is pure (no I/O, no clock, no logging)"
+    assert not bad, f"{name} imports {bad}: the pipeline reaches workers only through the Transport seam"
 
 
 @pytest.mark.parametrize("name,path", [(n, p) for n, p in ALL if n.startswith("extproc")],
@@ -94,13 +228,6 @@ def test_the_product_never_imports_the_lab(name: str, path: Path) -> None:
     where = imports(path, top_level_only=True) if name == "extproc.cli" else imports(path)
     bad = sorted(i for i in where if i == "pd_extproc_lab" or i.startswith("pd_extproc_lab."))
     assert not bad, f"{name} imports the lab: {bad}"
-
-
-def test_the_seam_knows_no_metrics_and_no_adapter() -> None:
-    seam = REPO / "extproc" / "upstream" / "transport.py"
-    bad = sorted(i for i in imports(seam) if i.startswith(("extproc.observability", "extproc.adapters",
-                                                           "extproc.core")) and "prefill_policy" not in i)
-    assert not bad, f"the transport seam imports {bad}"
 
 
 def test_the_plugin_example_imports_only_the_plugin_apis() -> None:

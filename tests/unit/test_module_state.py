@@ -177,8 +177,8 @@ def test_every_memo_is_listed_and_returns_a_read_only_value() -> None:
 def test_the_scan_sees_each_kind_of_change() -> None:
     """The scan itself, on a module written to break the rule each way it knows."""
     sample = ast.parse(
-        "import extproc.errors as errors_module\n"
-        "from extproc.errors import SPEC\n"
+        "import extproc.protocol.errors as errors_module\n"
+        "from extproc.protocol.errors import SPEC\n"
         "_SEEN = {}\n_LIST = []\n"
         "class _Memo:\n    def note(self):\n        self.last = 1\n"
         "_MEMO = _Memo()\n_COUNT = 0\n"
@@ -191,4 +191,4 @@ def test_the_scan_sees_each_kind_of_change() -> None:
     finally:
         del TREES["sample"], BINDINGS["sample"]
     assert {("sample", "_SEEN"), ("sample", "_LIST"), ("sample", "_MEMO"), ("sample", "_COUNT"),
-            ("extproc.errors", "SPEC")} <= found
+            ("extproc.protocol.errors", "SPEC")} <= found

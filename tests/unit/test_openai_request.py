@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.core.openai_request import parse_client_request
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.openai_request import parse_client_request
 
 COMPLETIONS = "/v1/completions"
 

@@ -1,6 +1,6 @@
-"""One rule for "is this a P/D request" (envoy/pd_request.py): the sidecar's pd route, the gateway-mode
+"""One rule for "is this a P/D request" (protocol/pd_request.py): the sidecar's pd route, the gateway-mode
 server and the gateway parts' guard matcher read it from the same source and agree on a table, for each
-adapter's P/D paths (envoy/pd_paths.py)."""
+adapter's P/D paths (adapters.served)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
+from extproc.adapters import served
 from extproc.config import load_settings
-from extproc.core.openai_request import paths_of
 from extproc.envoy.bootstrap import render
 from extproc.envoy.gateway import is_pd_request
-from extproc.envoy.messages import RequestHead
 from extproc.envoy.parts import gateway_guard_filter
-from extproc.envoy.pd_paths import path_regex, served
-from extproc.envoy.pd_request import PD_METHOD, full_path_regex, is_pd
+from extproc.protocol.openai_request import paths_of
+from extproc.protocol.pd_request import PD_METHOD, full_path_regex, is_pd, path_regex
+from extproc.protocol.request_head import RequestHead
 
 _CASES = [  # method, :path, tagged -> P/D
     ("POST", "/v1/chat/completions", True, True),

@@ -9,10 +9,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.adapters.prefill_json import parse_prefill_member, parse_prefill_object
-from extproc.core import jsonspan
-from extproc.errors import PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import PdError
+from extproc.protocol.prefill_json import parse_prefill_member, parse_prefill_object
+from extproc.protocol.transport import WorkerReply
 
 KEY = "kv_transfer_params"
 

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from extproc.core.prefill_policy import METADATA, PrefillPolicy, describe, first_allowed, parse_allow_list
+from extproc.protocol.prefill_policy import METADATA, PrefillPolicy, describe, first_allowed, parse_allow_list
 
 ip = ipaddress.ip_address
 

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from extproc.clock import Clock, FakeClock, MonotonicClock
-from extproc.core.prefill_policy import PrefillPolicy
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prefill_policy import PrefillPolicy
+from extproc.protocol.transport import ResolvedTarget, WorkerAddress
 from extproc.upstream import client as upstream
-from extproc.upstream.transport import ResolvedTarget, WorkerAddress
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 LIMITS = upstream.WorkerLimits(connect_timeout=5, read_timeout=5, deadline=10, max_response_bytes=1 << 20,

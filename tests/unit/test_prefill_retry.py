@@ -14,8 +14,8 @@ import pytest
 
 from extproc.clock import Clock, FakeClock, MonotonicClock
 from extproc.config import load_settings
-from extproc.core.prefill_policy import PrefillPolicy
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.prefill_policy import PrefillPolicy
 from extproc.upstream import client as upstream
 from extproc.upstream import http1
 from tests.unit.test_prefill_pool import LIMITS, OK, Worker, clock, run

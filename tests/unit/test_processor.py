@@ -12,20 +12,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.base import Adapter
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefill, BackgroundPrefills
-from extproc.core.processor import ABORT_RETRY_WAITS, DECODE_ERROR_GRACE, BodyOutcome, PdProcessor, Pending
-from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
 from extproc.observability.metrics import Metrics
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefill, BackgroundPrefills
+from extproc.pipeline.decisions import LocalReply
+from extproc.pipeline.processor import ABORT_RETRY_WAITS, DECODE_ERROR_GRACE, BodyOutcome, PdProcessor, Pending
 from extproc.plugin import FakeClock, FakeTransport
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.request_head import RequestHead
+from extproc.protocol.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 from extproc.upstream.client import Phase, classify, http1
-from extproc.upstream.transport import Bounds, ResolvedTarget, WorkerAddress, WorkerReply
 
 PREFILL = "10.0.0.7:8000"
 DECODE = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, ipaddress.ip_address("127.0.0.1")),
@@ -74,12 +74,12 @@ def inflight_gauge(r: Rig) -> float:
     return value
 
 
-def head(path: str = "/v1/chat/completions", **headers: str) -> msg.RequestHead:
-    return msg.RequestHead(path, (("x-prefiller-host-port", PREFILL), ("content-type", "application/json"),
+def head(path: str = "/v1/chat/completions", **headers: str) -> RequestHead:
+    return RequestHead(path, (("x-prefiller-host-port", PREFILL), ("content-type", "application/json"),
                                   *headers.items()))
 
 
-async def start(r: Rig, body: dict[str, Any]) -> tuple[msg.RequestHead, Pending]:
+async def start(r: Rig, body: dict[str, Any]) -> tuple[RequestHead, Pending]:
     request_head = head()
     pending = await r.processor.on_headers(request_head)
     assert isinstance(pending, Pending)
@@ -113,9 +113,9 @@ async def settled(task: asyncio.Task[None]) -> None:
     await ran.wait()
 
 
-def error_code(response: pb.ProcessingResponse) -> str:
-    assert response.WhichOneof("response") == "immediate_response"
-    code: str = json.loads(response.immediate_response.body)["error"]["code"]
+def error_code(reply: object) -> str:
+    assert isinstance(reply, LocalReply), reply
+    code: str = json.loads(reply.body)["error"]["code"]
     return code
 
 
@@ -129,7 +129,7 @@ def test_sequential_request_posts_the_derived_body_and_releases_its_slot() -> No
         request_head, pending = await start(r, CHAT_BODY)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
         assert outcome.background is None
-        decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
+        decode_body = json.loads(outcome.decision.body)
         assert decode_body == {**CHAT_BODY, "kv_transfer_params": HANDOFF}
         (call,) = r.transport.calls
         assert json.loads(call.body or b"")["max_tokens"] == 1 and call.path == "/v1/chat/completions"
@@ -146,7 +146,7 @@ def test_a_reserved_field_is_refused_before_admission_and_any_leg() -> None:
         r.admission.enter()  # the one slot is taken
         body = json.dumps({**CHAT_BODY, "kv_transfer_params": {"do_remote_decode": True}}).encode()
         outcome = await r.processor.on_body(request_head, pending, body)
-        assert error_code(outcome.response) == "reserved_request_field"
+        assert error_code(outcome.decision) == "reserved_request_field"
         assert r.transport.calls == [] and r.admission.inflight == 1
 
     asyncio.run(run())
@@ -157,8 +157,8 @@ def test_a_full_cap_sheds_at_the_head_with_retry_after() -> None:
         r = rig(VllmNixlAdapter(), limit=1)
         r.admission.enter()
         response = await r.processor.on_headers(head())
-        assert isinstance(response, pb.ProcessingResponse) and error_code(response) == "pd_overloaded"
-        headers = {h.header.key: h.header.raw_value for h in response.immediate_response.headers.set_headers}
+        assert isinstance(response, LocalReply) and error_code(response) == "pd_overloaded"
+        headers = dict(response.headers)
         assert headers["retry-after"] == b"1" and r.transport.calls == []
 
     asyncio.run(run())
@@ -192,7 +192,7 @@ def test_an_upstream_error_is_the_clients_answer_and_decode_gets_nothing() -> No
         r.transport.answers.append(PdError(Code.PREFILL_UPSTREAM_TIMEOUT))
         request_head, pending = await start(r, CHAT_BODY)
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        assert error_code(outcome.response) == "prefill_upstream_timeout"
+        assert error_code(outcome.decision) == "prefill_upstream_timeout"
         assert r.transport.posts_to(DECODE) == [] and r.admission.inflight == 0
 
     asyncio.run(run())
@@ -207,13 +207,13 @@ def test_a_prefill_name_that_does_not_resolve_falls_back_only_when_asked(fallbac
         r.transport.resolve_error = PdError(Code.PREFILL_UPSTREAM_UNAVAILABLE)
         pending = await r.processor.on_headers(head())
         if not fallback:
-            assert isinstance(pending, pb.ProcessingResponse)
+            assert isinstance(pending, LocalReply)
             assert error_code(pending) == "prefill_upstream_unavailable" and r.transport.calls == []
             return
         assert isinstance(pending, Pending)
         raw = json.dumps(CHAT_BODY).encode()
         outcome = await r.processor.on_body(head(), pending, raw)
-        assert outcome.response.request_body.response.body_mutation.body == raw
+        assert outcome.decision.body == raw
         assert r.transport.calls == [] and r.admission.inflight == 0 and r.outcomes() == {"prefill_fallback": 1.0}
 
     asyncio.run(run())
@@ -246,7 +246,7 @@ def test_a_background_prefill_holds_its_slot_until_it_ends() -> None:
         r = rig(SglangAdapter())
         release, outcome = await start_held_prefill(r, sglang_prefill_ok())
         assert outcome.background is not None and len(r.background) == 1
-        decode_body = json.loads(outcome.response.request_body.response.body_mutation.body)
+        decode_body = json.loads(outcome.decision.body)
         assert decode_body["rid"] == "pd-0000000000001234" and decode_body["bootstrap_room"] == 1 + 0x1234
         assert r.admission.inflight == 1, "the slot is held while the prefill runs"
         assert inflight_gauge(r) == 1.0
@@ -302,7 +302,7 @@ def test_a_failed_prefill_aborts_decode_until_it_answers_and_the_client_gets_our
         assert {json.loads(call.body or b"")["rid"] for call in aborts} == {"pd-0000000000001234"}
         answer = await r.processor.on_decode_answer(handle, 500)
         assert error_code(answer) == "prefill_upstream_error"
-        assert answer.immediate_response.status.code == 503
+        assert answer.status == 503
         assert r.admission.inflight == 0 and r.outcomes() == {"prefill_upstream_error": 1.0}
 
     asyncio.run(run())
@@ -366,7 +366,7 @@ def test_a_decode_error_waits_out_the_grace_for_the_prefill_then_ends_it() -> No
         r.clock.advance(DECODE_ERROR_GRACE - 0.001)
         assert r.clock.pending == 1 and not answer.done(), "still within the grace: its timeout not due"
         r.clock.advance(0.001)
-        assert (await answer).WhichOneof("response") == "response_headers", "decode's own answer"
+        assert (await answer) is None, "decode's own answer goes on"
         await settled(handle.task)
         assert handle.task.cancelled()
         assert r.outcomes() == {"ok": 1.0} and r.admission.inflight == 0
@@ -401,7 +401,7 @@ def test_decode_answering_while_the_prefill_is_fine_is_decodes_answer() -> None:
         outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
         assert outcome.background is not None
         answer = await r.processor.on_decode_answer(outcome.background, 200)
-        assert answer.WhichOneof("response") == "response_headers"
+        assert answer is None, "decode's answer goes on"
         await outcome.background.task
         assert r.transport.posts_to(DECODE) == []
 
@@ -422,7 +422,7 @@ def test_a_prefill_failing_after_decodes_answer_went_out_counts_what_the_client_
         release, outcome = await start_held_prefill(r, WorkerReply(503, "application/json", b""))
         assert outcome.background is not None
         answer = await r.processor.on_decode_answer(outcome.background, 200)
-        assert answer.WhichOneof("response") == "response_headers"
+        assert answer is None, "decode's answer goes on"
         release.set()
         await outcome.background.task
         assert r.outcomes() == {"ok": 1.0}

@@ -16,8 +16,8 @@ import pytest
 
 from extproc.adapters.sglang import SglangAdapter
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.processor import ABORT_RETRY_WAITS, Pending
-from extproc.upstream.transport import WorkerReply
+from extproc.pipeline.processor import ABORT_RETRY_WAITS, Pending
+from extproc.protocol.transport import WorkerReply
 from tests.unit.test_processor import (
     CHAT_BODY,
     DECODE,
@@ -87,7 +87,7 @@ def test_a_bug_in_the_headers_phase_is_a_logged_json_500(caplog: pytest.LogCaptu
         with caplog.at_level(logging.ERROR, "extproc.request"):
             response = await r.processor.on_headers(head())
         assert not isinstance(response, Pending)
-        assert error_code(response) == "internal_error" and response.immediate_response.status.code == 500
+        assert error_code(response) == "internal_error" and response.status == 500
         assert r.transport.calls == [] and r.admission.inflight == 0 and r.outcomes() == {"internal_error": 1.0}
         assert_span_closed(tracing)
         assert_logged(caplog)
@@ -110,7 +110,7 @@ def test_a_bug_in_the_body_phase_is_a_logged_json_500_and_decode_gets_nothing(
         assert isinstance(pending, Pending)
         with caplog.at_level(logging.ERROR, "extproc.request"):
             outcome = await r.processor.on_body(request_head, pending, json.dumps(CHAT_BODY).encode())
-        assert error_code(outcome.response) == "internal_error" and outcome.background is None
+        assert error_code(outcome.decision) == "internal_error" and outcome.background is None
         assert r.transport.posts_to(DECODE) == [] and r.admission.inflight == 0
         assert r.outcomes() == {"internal_error": 1.0}
         assert_span_closed(tracing)
@@ -142,7 +142,7 @@ def test_a_bug_in_the_background_prefill_aborts_decode_and_is_the_clients_answer
         assert [call.path for call in aborts] == ["/abort_request"]
         assert json.loads(aborts[0].body or b"")["rid"] == "pd-0000000000001234"
         answer = await r.processor.on_decode_answer(handle, 500)
-        assert error_code(answer) == "internal_error" and answer.immediate_response.status.code == 500
+        assert error_code(answer) == "internal_error" and answer.status == 500
         assert background_failures(r) == {"internal_error": 1.0}
         assert r.outcomes() == {"internal_error": 1.0} and r.admission.inflight == 0
         assert_span_closed(tracing)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from extproc.errors import SPEC, Code
+from extproc.protocol.errors import SPEC, Code
 from tests.harness import REPO
 
 DOC = (REPO / "PROTOCOL.md").read_text()

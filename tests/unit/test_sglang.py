@@ -13,12 +13,12 @@ from extproc.adapters import adapter_flow, build_adapter, engines
 from extproc.adapters.base import Flow, PlanInput
 from extproc.adapters.sglang import PROTOCOL_0_5_23, ROOM_LIMIT, SglangAdapter, rid_from_nonce, room_from_nonce
 from extproc.config import ConfigError, load_settings
-from extproc.core.fields import refuse_reserved
-from extproc.core.prefill_target import parse_prefill_target
 from extproc.envoy.bootstrap import decode_idle_timeout
-from extproc.errors import Code, PdError
-from extproc.settings_spec import SecretFileError
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.fields import refuse_reserved
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.settings_spec import SecretFileError
+from extproc.protocol.transport import WorkerReply
 from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:30000"])

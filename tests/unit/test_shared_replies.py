@@ -12,10 +12,12 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.adapters.vllm_nixl import VllmNixlAdapter
-from extproc.core.headers import PICKER_HEADERS
-from extproc.core.processor import BodyOutcome, Pending
 from extproc.envoy import messages as msg
 from extproc.envoy.stream import ExtProcServicer
+from extproc.pipeline.decisions import SendToDecode
+from extproc.pipeline.processor import BodyOutcome, Pending
+from extproc.protocol.headers import PICKER_HEADERS
+from extproc.protocol.request_head import RequestHead
 from tests.ext_proc_messages import body_message, headers_message
 from tests.unit.test_processor import CHAT_BODY, HANDOFF, PREFILL, ok, rig
 
@@ -32,26 +34,25 @@ def pd_stream() -> tuple[pb.ProcessingRequest, pb.ProcessingRequest]:
     return headers_message("/v1/chat/completions", {"x-prefiller-host-port": PREFILL}), body_message(CHAT_BODY)
 
 
-def test_a_shared_body_reply_leaves_the_stream_as_it_was_built() -> None:
-    """A processor that hands out one reply object for every body (as the continue replies are shared)
-    must see it unchanged by the gateway's stream loop: the picker's headers are the processor's to
-    remove, when it builds the reply."""
-    shared = msg.replace_body(b"{}", remove_headers=["x-a"])
-    pristine = pb.ProcessingResponse()
-    pristine.CopyFrom(shared)
+def test_a_shared_body_decision_leaves_the_stream_as_it_was_made() -> None:
+    """A processor that hands out one decision for every body must see it unchanged by the gateway's
+    stream loop, and each request's reply built from it alone: the picker's headers are the processor's
+    to remove, when it makes the decision."""
+    shared = SendToDecode(b"{}", remove_headers=("x-a",))
+    pristine = SendToDecode(b"{}", remove_headers=("x-a",))
 
     async def run() -> None:
         r = rig(VllmNixlAdapter())
         servicer = ExtProcServicer(r.processor, passthrough=lambda: None)
 
-        async def shared_body(head: msg.RequestHead, pending: Pending, body: bytes) -> BodyOutcome:
+        async def shared_body(head: RequestHead, pending: Pending, body: bytes) -> BodyOutcome:
             return BodyOutcome(shared)
 
         r.processor.on_body = shared_body  # type: ignore[method-assign]
         for _ in range(2):
             replies = await one_stream(servicer, *pd_stream())
-            assert replies[1] is shared
-            assert shared == pristine, "a reply shared with later requests was changed on its way out"
+            assert replies[1] == msg.reply(pristine)
+            assert shared == pristine, "a decision shared with later requests was changed on its way out"
 
     asyncio.run(run())
 

@@ -6,7 +6,7 @@ import orjson
 
 from bench.soak_checks import Window, client_tally, compare_server, ledger, slope_per_hour, verdict
 from bench.soak_load import Outcome, classify_error, documented_statuses
-from extproc.errors import SPEC
+from extproc.protocol.errors import SPEC
 
 
 def _outcome(tag: str, label: str, kind: str = "pd_chat", status: int | None = 200, **kw: object) -> Outcome:

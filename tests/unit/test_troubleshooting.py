@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from extproc.errors import Code
+from extproc.protocol.errors import Code
 from tests.harness import REPO
 
 PAGE = (REPO / "docs" / "troubleshooting.md").read_text()

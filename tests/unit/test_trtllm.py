@@ -24,11 +24,11 @@ from extproc.adapters.trtllm import (
     signature,
 )
 from extproc.config import ConfigError, load_settings
-from extproc.core.fields import refuse_reserved
-from extproc.core.prefill_target import parse_prefill_target
-from extproc.errors import Code, PdError
-from extproc.settings_spec import SecretFileError
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.fields import refuse_reserved
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.settings_spec import SecretFileError
+from extproc.protocol.transport import WorkerReply
 from tests.helpers import client_request
 
 TARGET = parse_prefill_target(["10.0.0.7:8000"])

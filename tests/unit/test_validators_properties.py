@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from extproc.adapters.vllm_nixl import PROTOCOLS, RULES, VllmNixlAdapter, handoff_from_reply, validate_handoff
-from extproc.core.fields import refuse_reserved
-from extproc.core.openai_request import ClientRequest, parse_client_request
-from extproc.core.prefill_target import parse_prefill_target
-from extproc.errors import SPEC, Code, PdError, error_body
-from extproc.upstream.transport import WorkerAddress, WorkerReply
+from extproc.protocol.errors import SPEC, Code, PdError, error_body
+from extproc.protocol.fields import refuse_reserved
+from extproc.protocol.openai_request import ClientRequest, parse_client_request
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.transport import WorkerAddress, WorkerReply
 
 MARKER = "zqmarker"
 json_leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)

@@ -16,10 +16,10 @@ from extproc.adapters.vllm_nixl import (
     prefill_body,
     validate_handoff,
 )
-from extproc.core.openai_request import parse_client_request
-from extproc.core.prefill_target import parse_prefill_target
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.openai_request import parse_client_request
+from extproc.protocol.prefill_target import parse_prefill_target
+from extproc.protocol.transport import WorkerReply
 
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2], []],
            "remote_engine_id": "e-1", "remote_request_id": "cmpl-1-0-ab", "remote_host": "10.0.0.1",

@@ -12,11 +12,11 @@ import pytest
 from extproc.config import ConfigError, load_settings
 from extproc.envoy.bootstrap import EXT_PROC_CLUSTER, render
 from extproc.envoy.parts import sidecar_parts
-from extproc.errors import Code, PdError
 from extproc.observability.merge import combine, counters_only, merge_pages
 from extproc.observability.metrics import Metrics
 from extproc.plugin import FakeClock
-from extproc.units import parse_address
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.units import parse_address
 from extproc.workers import SharedAdmission, SharedBlock, SharedQueueReading, worker_listen, worker_listens
 
 

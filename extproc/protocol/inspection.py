@@ -1,6 +1,6 @@
 """Everything the P/D route checks in the client's body, as one pure step: bytes in, a small picklable
 answer out. Small bodies are inspected on the event loop; large ones in a worker process
-(core/inspector.py), so the answer carries no large value and no exception object.
+(pipeline/inspector.py), so the answer carries no large value and no exception object.
 
 The answer keeps the parsed top-level members whose values are at most ``KEPT_VALUE_BYTES`` long (what
 the adapters read after the checks: ``stream``, ``stream_options``); large values (the messages, a
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core import jsonspan
-from extproc.core.fields import ReservedField, refuse_reserved
-from extproc.core.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint, parse_client_request
-from extproc.core.steering import refuse_steering
-from extproc.errors import Code, PdError, Problem
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Code, PdError, Problem
+from extproc.protocol.fields import ReservedField, refuse_reserved
+from extproc.protocol.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint, parse_client_request
+from extproc.protocol.steering import refuse_steering
 
 # A member kept parsed; with MAX_MEMBERS this bounds what a worker's answer costs to unpickle on the loop.
 KEPT_VALUE_BYTES = 1 << 10

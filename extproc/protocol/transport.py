@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from extproc.core.prefill_policy import IPAddress
+from extproc.protocol.prefill_policy import IPAddress
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 if TYPE_CHECKING:
-    from extproc.core.relayed_error import RelayedError
+    from extproc.protocol.relayed_error import RelayedError
 
 
 class Code(StrEnum):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.clock import Clock
-from extproc.errors import PdError
+from extproc.protocol.errors import PdError
 
 Task = asyncio.Task[None]
 

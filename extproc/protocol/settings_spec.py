@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.units import format_duration, parse_duration, parse_size
+from extproc.protocol.units import format_duration, parse_duration, parse_size
 
 ENV_PREFIX = "PD_EXTPROC_"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
 
 
 @dataclass

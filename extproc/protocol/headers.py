@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from extproc.core.prefill_target import HEADER as PREFILL_TARGET_HEADER
+from extproc.protocol.prefill_target import HEADER as PREFILL_TARGET_HEADER
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",

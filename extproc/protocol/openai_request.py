@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from extproc.core import gen_apis, jsonspan
-from extproc.core.fields import all_ints, is_int
-from extproc.errors import Code, PdError
+from extproc.protocol import gen_apis, jsonspan
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.fields import all_ints, is_int
 
 
 class Endpoint(StrEnum):
@@ -49,7 +49,7 @@ class ClientRequest:
     endpoint: Endpoint
     path: str  # the original :path, query string included
     raw: bytes  # the client's body, exactly as received
-    # The parsed body (read-only by convention). On the P/D route (core/inspection.py) only the members
+    # The parsed body (read-only by convention). On the P/D route (protocol/inspection.py) only the members
     # whose values are small are kept: large ones were checked and are read from ``raw`` only.
     body: dict[str, Any]
     members: tuple[jsonspan.Member, ...]
@@ -69,7 +69,7 @@ class ClientRequest:
 _OPTIONAL_BOOL = ("stream",)
 _OPTIONAL_POSITIVE_INT = ("max_tokens", "max_completion_tokens")
 # Top-level members a body may have: the OpenAI request has a few dozen, the engines' extensions as many
-# again. The bound keeps what a worker process answers about a body (core/inspection.py) small.
+# again. The bound keeps what a worker process answers about a body (protocol/inspection.py) small.
 MAX_MEMBERS = 256
 
 

@@ -14,9 +14,9 @@ import ipaddress
 import re
 from collections.abc import Sequence
 
-from extproc.errors import Code, PdError
-from extproc.lru import Lru
-from extproc.upstream.transport import WorkerAddress
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.lru import Lru
+from extproc.protocol.transport import WorkerAddress
 
 HEADER = "x-prefiller-host-port"
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import orjson
 
-from extproc.core import jsonspan
-from extproc.core.relayed_error import relayable_error
-from extproc.errors import Code, PdError
-from extproc.upstream.transport import WorkerReply
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.relayed_error import relayable_error
+from extproc.protocol.transport import WorkerReply
 
 _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 
@@ -17,7 +17,7 @@ _SSE_PREFIXES = (b"data:", b"event:", b"id:", b"retry:", b":")
 def upstream_status_error(status: int, content_type: str | None = None, body: bytes = b"") -> PdError:
     """A non-200 prefill answer. The client's status: 4xx and 5xx keep their exact value (so the class
     is preserved); anything else (1xx, 2xx other than 200, 3xx) is a 502. The engine's own error about
-    the request (core/relayed_error.py) is relayed."""
+    the request (protocol/relayed_error.py) is relayed."""
     return PdError(Code.PREFILL_UPSTREAM_ERROR, status=status if 400 <= status <= 599 else 502,
                    upstream_status=status, relayed=relayable_error(status, content_type, body))
 

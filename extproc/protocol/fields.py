@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from extproc.core import jsonspan
-from extproc.errors import Code, PdError, Problem
+from extproc.protocol import jsonspan
+from extproc.protocol.errors import Code, PdError, Problem
 
 Check = Callable[[object], bool]
 

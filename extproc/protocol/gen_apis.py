@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from extproc.core.fields import all_ints, is_int
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.fields import all_ints, is_int
 
 
 def _positive_int(body: dict[str, Any], name: str, *, required: bool = False) -> None:

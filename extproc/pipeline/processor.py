@@ -2,9 +2,10 @@
 
 The processor sequences the pure steps (prefill_target, openai_request, the adapter) around the I/O
 steps, which it asks of two ``Transport``s: the prefill client (target resolution, the prefill call,
-discovery) and the decode control client (a decode abort). It turns every outcome into an ext_proc
-response: it is the single place a PdError becomes a client-visible reply and the single place a
-request is logged and counted.
+discovery) and the decode control client (a decode abort). It turns every outcome into a plain decision
+(decisions.py: decode's body, or a local reply) that extproc/envoy/ turns into Envoy's reply. It is the
+single place a PdError becomes a client-visible reply and the single place a request is logged and
+counted.
 
 Sequential engines: prefill, then ``decide``, then the body mutation (or a direct answer).
 Concurrent engines: the decode body goes back at once and the prefill request runs in the background,
@@ -23,8 +24,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
 from extproc.adapters.base import (
     Adapter,
     AnswerDirectly,
@@ -36,23 +35,24 @@ from extproc.adapters.base import (
     SequentialAdapter,
 )
 from extproc.clock import Clock
-from extproc.core import error_shapes
-from extproc.core.admission import Admission
-from extproc.core.background import BackgroundPrefill, BackgroundPrefills, Task
-from extproc.core.headers import prefill_headers
-from extproc.core.inspection import Rules
-from extproc.core.inspector import Inspector
-from extproc.core.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
-from extproc.core.prefill_target import HEADER, PrefillTargets
-from extproc.core.steering import STEERING_HEADER_NAMES
-from extproc.envoy import messages as msg
-from extproc.errors import Code, PdError
 from extproc.observability import logs
 from extproc.observability.metrics import Metrics, RequestRecord
+from extproc.pipeline.admission import Admission
+from extproc.pipeline.background import BackgroundPrefill, BackgroundPrefills, Task
+from extproc.pipeline.decisions import LocalReply, SendToDecode
+from extproc.pipeline.inspector import Inspector
+from extproc.protocol import error_shapes
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.headers import prefill_headers
+from extproc.protocol.inspection import Rules
+from extproc.protocol.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
+from extproc.protocol.prefill_target import HEADER, PrefillTargets
+from extproc.protocol.request_head import RequestHead
+from extproc.protocol.steering import STEERING_HEADER_NAMES
+from extproc.protocol.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 from extproc.upstream.decode_queue import QueueLimit
 from extproc.upstream.decode_target import DecodeTarget, resolved
 from extproc.upstream.discovery import ServerInfoCache
-from extproc.upstream.transport import Bounds, ResolvedTarget, Transport, WorkerAddress, WorkerReply
 
 if TYPE_CHECKING:
     from extproc.observability.tracing import Tracing
@@ -84,10 +84,10 @@ class Pending:
 
 @dataclass(frozen=True, slots=True)
 class BodyOutcome:
-    """The reply to the body message, and for concurrent engines the prefill still running (the stream
+    """The decision for the body message, and for concurrent engines the prefill still running (the stream
     cancels it if Envoy ends the stream before decode answers)."""
 
-    response: pb.ProcessingResponse
+    decision: SendToDecode | LocalReply
     background: BackgroundPrefill | None = None
 
 
@@ -157,7 +157,7 @@ class PdProcessor:
 
     # --- the two ext_proc phases -------------------------------------------------------------------
 
-    async def on_headers(self, head: msg.RequestHead) -> Pending | pb.ProcessingResponse:
+    async def on_headers(self, head: RequestHead) -> Pending | LocalReply:
         """Everything that needs only the head: the kill switch, draining, the cap, the target and its policy.
         Returns the state for the body phase, or the reply that ends the request now."""
         record = self._record(head)
@@ -180,10 +180,10 @@ class PdProcessor:
             return self._refuse(record, _bug(record))
         return Pending(record, target)
 
-    def refuse_now(self, pending: Pending, code: Code) -> pb.ProcessingResponse:
+    def refuse_now(self, pending: Pending, code: Code) -> LocalReply:
         return self._refuse(pending.record, PdError(code))
 
-    async def on_body(self, head: msg.RequestHead, pending: Pending, body: bytes) -> BodyOutcome:
+    async def on_body(self, head: RequestHead, pending: Pending, body: bytes) -> BodyOutcome:
         record = pending.record
         record.body_bytes = len(body)
         adapter = self._adapter
@@ -195,9 +195,9 @@ class PdProcessor:
                 if not (self._serve_unsupported and isinstance(adapter, SequentialAdapter)):
                     refuse_unsupported(request)
                 error = PdError(Code.UNSUPPORTED_PD_VARIANT, field=request.unsupported)
-                response = self._fall_back(adapter, request, record, error, adapter_body=False)
+                whole = self._fall_back(adapter, request, record, error, adapter_body=False)
                 self._finish(record, record.outcome, record.status)
-                return BodyOutcome(response)
+                return BodyOutcome(whole)
             target = pending.target
             if isinstance(target, PdError) and isinstance(adapter, ConcurrentAdapter):
                 raise target  # only a sequential flow can serve a request whole
@@ -208,11 +208,11 @@ class PdProcessor:
             try:
                 if isinstance(target, PdError):
                     raise target
-                response = await self._run_sequential(adapter, head, request, target, record)
+                decision = await self._run_sequential(adapter, head, request, target, record)
             except PdError as error:
                 if not (self._fallback and error.allows_fallback):
                     raise
-                response = self._fall_back(adapter, request, record, error)
+                decision = self._fall_back(adapter, request, record, error)
             finally:
                 self._leave()
         except PdError as error:
@@ -223,23 +223,23 @@ class PdProcessor:
         except Exception:
             return BodyOutcome(self._refuse(record, _bug(record)))
         self._finish(record, record.outcome, record.status)
-        return BodyOutcome(response)
+        return BodyOutcome(decision)
 
     # --- the flows ---------------------------------------------------------------------------------
 
-    async def _run_sequential(self, adapter: SequentialAdapter, head: msg.RequestHead, request: ClientRequest,
-                              target: ResolvedTarget, record: RequestRecord) -> pb.ProcessingResponse:
+    async def _run_sequential(self, adapter: SequentialAdapter, head: RequestHead, request: ClientRequest,
+                              target: ResolvedTarget, record: RequestRecord) -> SendToDecode | LocalReply:
         prefill_body = adapter.prefill_body(request, await self._plan_input(adapter, target))
         reply = await self._post_prefill(head, request, target, prefill_body, record)
         decision = adapter.decide(request, reply)
         if isinstance(decision, AnswerDirectly):
             record.outcome = "answered_by_prefill"
-            return msg.immediate(decision.status, decision.body, "pd_answered_by_prefill",
-                                 content_type=decision.content_type.encode())
+            return LocalReply(decision.status, decision.body, "pd_answered_by_prefill",
+                              content_type=decision.content_type.encode())
         return self._decode_reply(decision)
 
     def _fall_back(self, adapter: Adapter, request: ClientRequest, record: RequestRecord,
-                   error: PdError, adapter_body: bool = True) -> pb.ProcessingResponse:
+                   error: PdError, adapter_body: bool = True) -> SendToDecode:
         """The local decode worker serves the request whole; Envoy marks the response (x-pd-fallback,
         with the reason). An unsupported variant goes exactly as sent (``adapter_body=False``)."""
         reason = error.code.value
@@ -248,7 +248,7 @@ class PdProcessor:
         decision = adapter.aggregated(request) if adapter_body else DecodeWith(request.raw)
         return self._decode_reply(decision, metadata={"fallback": f"aggregated; reason={reason}"})
 
-    async def _start_concurrent(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
+    async def _start_concurrent(self, adapter: ConcurrentAdapter, head: RequestHead, request: ClientRequest,
                                 target: ResolvedTarget, record: RequestRecord) -> BodyOutcome:
         """Both legs at once (the engines rendezvous by themselves): decode gets its body now, the
         prefill request runs in the background; from here its slot is released by the owner."""
@@ -262,10 +262,10 @@ class PdProcessor:
             lambda finished: self._background_done(finished, record))
         return BodyOutcome(self._decode_reply(plan.decode), handle)
 
-    async def on_decode_answer(self, handle: BackgroundPrefill, status: int) -> pb.ProcessingResponse:
+    async def on_decode_answer(self, handle: BackgroundPrefill, status: int) -> LocalReply | None:
         """Decode's response headers arrived. If the prefill leg failed, the client gets that error
         (decode's own answer is dropped: it only says it was aborted, or could not reach the prefill
-        engine); otherwise decode's answer. When decode fails while our prefill request is still out,
+        engine); otherwise decode's answer goes on (None). When decode fails while our prefill request is still out,
         the prefill's outcome is awaited for a moment: both usually fail for the same reason."""
         handle.decode_answered.set()
         if status >= 400 and handle.failure is None and not handle.task.done():
@@ -273,16 +273,16 @@ class PdProcessor:
                 async with self._clock.timeout(DECODE_ERROR_GRACE):
                     await asyncio.shield(handle.task)
         if handle.failure is not None:
-            return error_response(handle.failure)
+            return error_reply(handle.failure)
         if status >= 400 and not handle.task.done():
             # Decode failed and its answer goes to the client: nobody will claim what the prefill holds,
             # and it would wait for a claim until its engine's bootstrap timeout (SGLang: 300 s) with our
             # admission slot, a prefill connection and its KV. Closing our request aborts it there.
             handle.task.cancel()
         handle.decode_answer_relayed = status
-        return msg.continue_response_headers()
+        return None
 
-    async def _background_prefill(self, adapter: ConcurrentAdapter, head: msg.RequestHead, request: ClientRequest,
+    async def _background_prefill(self, adapter: ConcurrentAdapter, head: RequestHead, request: ClientRequest,
                                   target: ResolvedTarget, record: RequestRecord, plan: ConcurrentPlan,
                                   handle: BackgroundPrefill) -> None:
         try:
@@ -364,7 +364,7 @@ class PdProcessor:
                                                                        ip=target.ip)
         return PlanInput(checked, self._nonce(), server_info)
 
-    async def _post_prefill(self, head: msg.RequestHead, request: ClientRequest,
+    async def _post_prefill(self, head: RequestHead, request: ClientRequest,
                             target: ResolvedTarget, body: bytes, record: RequestRecord,
                             bounds: Bounds | None = None) -> WorkerReply:
         headers = prefill_headers(head.headers, self._stripped_headers)
@@ -377,28 +377,28 @@ class PdProcessor:
             record.trace.end_prefill(record.prefill.status)
 
     def _decode_reply(self, decision: DecodeWith,
-                      metadata: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
+                      metadata: Mapping[str, str] | None = None) -> SendToDecode:
         overridden = {name for name, _ in decision.headers}
         remove = [name for name in self._stripped_sorted if name not in overridden]
-        return msg.replace_body(decision.body, decision.headers, remove, metadata=metadata)
+        return SendToDecode(decision.body, decision.headers, remove, metadata)
 
     def _leave(self) -> None:
         self._admission.leave()
 
-    def _record(self, head: msg.RequestHead) -> RequestRecord:
+    def _record(self, head: RequestHead) -> RequestRecord:
         record = RequestRecord(loggable_request_id(head.first("x-request-id")), self._adapter_name,
                                self._now(), api_label(head.path))
         if self._tracing is not None:
             record.trace = self._tracing.begin(head.headers)
         return record
 
-    def _refuse(self, record: RequestRecord, error: PdError) -> pb.ProcessingResponse:
+    def _refuse(self, record: RequestRecord, error: PdError) -> LocalReply:
         record.handoff_problem = error.handoff_reason
         if error.relayed is not None:
             record.prefill_error = error.relayed.reason
         self._finish(record, error.code.value, error.status)
         extra = [("retry-after", b"1")] if error.code is Code.PD_OVERLOADED else []
-        return error_response(error, extra, anthropic=record.api == Endpoint.MESSAGES.api)
+        return error_reply(error, extra, anthropic=record.api == Endpoint.MESSAGES.api)
 
     def _finish(self, record: RequestRecord, outcome: str, status: int) -> None:
         record.outcome, record.status, record.done = outcome, status, True
@@ -433,15 +433,16 @@ def _bug(record: RequestRecord) -> PdError:
     return PdError(Code.INTERNAL_ERROR)
 
 
-def error_response(error: PdError, extra: Sequence[tuple[str, bytes]] = (),
-                   anthropic: bool = False) -> pb.ProcessingResponse:
+def error_reply(error: PdError, extra: Sequence[tuple[str, bytes]] = (), anthropic: bool = False) -> LocalReply:
     """The client's reply to an error: ours, or the prefill engine's own error about the request, in the
     client's API's shape (Anthropic's on the Messages API)."""
     if error.relayed is not None:
         body = error_shapes.relayed_body(error.relayed, anthropic)
     else:
         body = error_shapes.our_error_body(error.code, error.status, error.param, anthropic)
-    return msg.immediate(error.status, body, "pd_" + error.code.value, extra)
+    # details become %RESPONSE_CODE_DETAILS%; the "pd_" prefix keeps Envoy's local_reply_config mappers
+    # (which shape Envoy's own errors) away from our replies.
+    return LocalReply(error.status, body, "pd_" + error.code.value, extra)
 
 
 def api_label(path: str) -> str:

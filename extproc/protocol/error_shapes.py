@@ -1,6 +1,6 @@
 """Errors in the shape of the client's API. Pure.
 
-Every API we serve P/D answers errors in OpenAI's envelope (errors.py error_body) except the Anthropic
+Every API we serve P/D answers errors in OpenAI's envelope (protocol/errors.py error_body) except the Anthropic
 Messages API, whose clients read ``{"type": "error", "error": {"type", "message"}}`` (vLLM
 anthropic/protocol.py AnthropicErrorResponse, built by anthropic/api_router.py translate_error_response).
 The message is the same fixed phrase; the Anthropic ``type`` follows the status as Anthropic's API
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import orjson
 
-from extproc.core.relayed_error import RelayedError
-from extproc.errors import SPEC, Code, error_body
+from extproc.protocol.errors import SPEC, Code, error_body
+from extproc.protocol.relayed_error import RelayedError
 
 MESSAGES_PATH = "/v1/messages"
 

@@ -21,9 +21,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
-from extproc.core.inspection import Inspected, Refusal, Rules, client_request, inspect, inspect_answer
-from extproc.core.openai_request import ClientRequest, precheck
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
+from extproc.protocol.inspection import Inspected, Refusal, Rules, client_request, inspect, inspect_answer
+from extproc.protocol.openai_request import ClientRequest, precheck
 
 log = logging.getLogger("extproc.inspector")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from extproc.errors import Code, PdError
+from extproc.protocol.errors import Code, PdError
 
 
 @dataclass(frozen=True, slots=True)
