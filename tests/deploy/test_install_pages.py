@@ -71,10 +71,15 @@ def test_each_page_walks_the_same_steps_in_order(name: str) -> None:
     assert positions == sorted(positions), f"{name}.md: steps out of order: {headings}"
 
 
-def _verify_step(text: str) -> str:
-    start = next(m.start() for m in re.finditer(r"^## .*", text, re.M) if "verify" in m.group().lower())
+def _section(text: str, word: str) -> str:
+    """The first `## ` section whose heading holds word."""
+    start = next(m.start() for m in re.finditer(r"^## .*", text, re.M) if word in m.group().lower())
     end = text.find("\n## ", start + 1)
     return text[start:] if end == -1 else text[start:end]
+
+
+def _verify_step(text: str) -> str:
+    return _section(text, "verify")
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))
@@ -177,7 +182,7 @@ def _problems(docs: list[dict[str, Any]]) -> list[str]:
 def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(name: str, tmp_path: Path) -> None:
     result = run_offline(name, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    rendered = sorted(tmp_path.glob("*.yaml"))
+    rendered = sorted(path for path in tmp_path.glob("*.yaml") if path.name not in PREREQUISITE_FILES)
     engines = {"envoy-gateway": ["my-pd-sglang.yaml", "my-pd-trtllm.yaml"], "istio": ["my-pd-istio-sglang.yaml"]}
     assert [path.name for path in rendered] == sorted(["my-pd-sidecar.yaml", "my-pd.yaml", *engines[name]])
     for path in rendered:
@@ -198,6 +203,84 @@ def test_the_offline_steps_of_a_kubernetes_page_render_the_overlays_it_shows(nam
         assert models == ["Qwen/Qwen3-8B"]
         if engine in ("sglang", "trtllm"):
             assert settings[0]["data"]["PD_EXTPROC_ADAPTER"] == engine
+
+
+# Files a page's offline steps write for its prerequisites (not renders of an overlay).
+PREREQUISITE_FILES = {"eg-gatewayclass.yaml"}
+# The controller name Envoy Gateway's controller claims GatewayClasses by (docs/gateway-chains.md, "Install
+# prerequisites, as read in source").
+ENVOY_GATEWAY_CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
+
+
+def test_the_envoy_gateway_page_creates_the_gatewayclass_its_gateways_name(tmp_path: Path) -> None:
+    """Envoy Gateway's chart creates no GatewayClass: the page's prerequisites must, or no Gateway is programmed."""
+    result = run_offline("envoy-gateway", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [gateway_class] = _rendered(tmp_path / "eg-gatewayclass.yaml")
+    assert gateway_class["kind"] == "GatewayClass"
+    assert gateway_class["spec"] == {"controllerName": ENVOY_GATEWAY_CONTROLLER}
+    assert not validate.gateway_api_problems([gateway_class])[0]
+    text = _page("envoy-gateway")
+    assert text.index("kubectl apply -f eg-gatewayclass.yaml") < text.index("kubectl apply -k my-pd")
+    classes = {doc["spec"]["gatewayClassName"] for path in tmp_path.glob("my-pd*.yaml")
+               for doc in _rendered(path) if doc["kind"] == "Gateway"}
+    assert classes == {gateway_class["metadata"]["name"]}
+    assert "Gateway not PROGRAMMED" in _section(text, "troubleshoot")
+
+
+def _waits(text: str) -> list[tuple[str, set[str]]]:
+    """(the directory of the last `kubectl apply -k` before it, the Deployments named) for each rollout wait."""
+    waits, applied = [], ""
+    for line in text.splitlines():
+        if match := re.match(r"kubectl apply -k (\S+)", line):
+            applied = match.group(1)
+        if "rollout status" in line:
+            assert applied, f"a rollout wait before any apply: {line}"
+            waits.append((applied, set(re.findall(r"deployment/([\w-]+)", line))))
+    return waits
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_every_deployment_a_page_waits_for_is_in_the_render_it_applied(name: str, tmp_path: Path) -> None:
+    result = run_offline(name, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    waits = _waits(_page(name))
+    assert {applied for applied, _ in waits} >= {"my-pd", "my-pd-sidecar"}, waits
+    for applied, deployments in waits:
+        rendered = {doc["metadata"]["name"] for doc in _rendered(tmp_path / f"{applied}.yaml")
+                    if doc["kind"] == "Deployment"}
+        assert deployments and deployments <= rendered, (applied, deployments - rendered)
+
+
+def _sh_lines(text: str) -> list[str]:
+    return [line for block in re.findall(r"^```sh\n(.*?)^```$", text, re.S | re.M) for line in block.splitlines()]
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_port_forwards_are_killed_by_pid_and_waited_for_before_use(name: str) -> None:
+    lines = _sh_lines(_page(name))
+    assert not any(re.search(r"kill\s+%", line) for line in lines), "job numbers depend on the shell's other jobs"
+    forwards = [index for index, line in enumerate(lines) if "port-forward" in line]
+    assert forwards
+    for index in forwards:
+        match = re.search(r" & (\w+)=\$!$", lines[index])
+        assert match, f"no PID kept: {lines[index]}"
+        assert any(re.search(rf"^kill .*\${match.group(1)}\b", line) for line in lines[index:]) or \
+            f"kill ${match.group(1)}" in _page(name), f"${match.group(1)} is never killed"
+        after = next(line for line in lines[index + 1:] if "port-forward" not in line)
+        assert after.startswith("until curl -s"), f"the forward is used before it is up: {after}"
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_uninstall_does_not_delete_what_delete_k_already_deleted(name: str, tmp_path: Path) -> None:
+    result = run_offline(name, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = _page(name)
+    uninstall = _section(text, "uninstall")
+    deleted = {doc["metadata"]["name"] for doc in _rendered(tmp_path / "my-pd.yaml") if doc["kind"] == "Namespace"}
+    assert deleted == {NAMESPACE} and "kubectl delete -k my-pd" in uninstall
+    assert f"delete namespace {NAMESPACE}" not in uninstall
+    assert not re.search(r"step \d+ below", text)
 
 
 def _pulling_our_image(docs: list[dict[str, Any]]) -> dict[str, Any]:
