@@ -160,6 +160,46 @@ def test_the_own_envoy_pages_pieces_agree_with_its_verify_and_troubleshoot_steps
     assert f"pip install -c constraints.txt dist/pd_extproc-{__version__}-py3-none-any.whl" in text
 
 
+def _pd_route_peers(parts: dict[str, Any]) -> list[dict[str, Any]]:
+    [route] = [route for route in parts["routes"] if route["name"] == "pd"]
+    policies = route["typed_per_filter_config"]["envoy.filters.http.rbac"]["config"]["rbac"]["rules"]["policies"]
+    return [principal["direct_remote_ip"] for principal in policies["trusted_sources"]["principals"]]
+
+
+def test_the_own_envoy_pages_loopback_test_admits_loopback_then_takes_it_out(tmp_path: Path) -> None:
+    """The verify step's test from the Envoy host: loopback is admitted in the parts rendered while
+    testing, and the settings file is as step 3 wrote it once the test is over."""
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loopback = {"address_prefix": "127.0.0.1", "prefix_len": 32}
+    assert loopback in _pd_route_peers(yaml.safe_load((tmp_path / "pd-parts-loopback.yaml").read_text()))
+    assert loopback not in _pd_route_peers(yaml.safe_load((tmp_path / "pd-parts.yaml").read_text()))
+    step3 = re.search(r"cat > pd-extproc.env <<'ENV'\n(.*?)^ENV$", _page("own-envoy"), re.S | re.M)
+    assert step3 and (tmp_path / "pd-extproc.env").read_text() == step3.group(1)
+
+
+def test_the_own_envoy_pages_decode_setting_names_the_decode_clusters_worker(tmp_path: Path) -> None:
+    """PD_EXTPROC_DECODE (the worker pd-extproc reaches directly) is the endpoint of the cluster the pd route
+    sends to (`--decode-cluster`)."""
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = _page("own-envoy")
+    assert "PD_EXTPROC_DECODE=" in text
+    [cluster_name] = set(re.findall(r"--decode-cluster (\S+)", text))
+    environ = dict(line.split("=", 1) for line in (tmp_path / "pd-extproc.env").read_text().splitlines() if line)
+    merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
+    [cluster] = [c for c in merged["static_resources"]["clusters"] if c["name"] == cluster_name]
+    [endpoint] = [lb["endpoint"]["address"]["socket_address"] for group in cluster["load_assignment"]["endpoints"]
+                  for lb in group["lb_endpoints"]]
+    decode = load_settings(environ).decode
+    assert (decode.host, decode.port) == (endpoint["address"], endpoint["port_value"])
+
+
+def test_the_own_envoy_page_sets_vllms_nixl_side_channel_on_both_workers() -> None:
+    prerequisites = _section(_page("own-envoy"), "prerequisites")
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in prerequisites and "VLLM_NIXL_SIDE_CHANNEL_PORT" in prerequisites
+
+
 def _rendered(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
