@@ -49,6 +49,8 @@ def offline_blocks(text: str) -> list[str]:
 
 def run_offline(name: str, workdir: Path) -> subprocess.CompletedProcess[str]:
     shutil.copytree(validate.K8S_DIR, workdir / "pd-extproc" / "k8s")
+    if name == "compose":  # its steps run in the checkout itself
+        shutil.copytree(validate.REPO / "envoy", workdir / "envoy")
     tool_dirs = [str(tools.kubectl_bin().parent), str(Path(sys.executable).parent), str(Path(tools.envoy_bin()).parent)]
     env = {"PATH": os.pathsep.join([*tool_dirs, "/usr/bin", "/bin"]), "HOME": str(workdir), "LANG": "C.UTF-8"}
     script = "set -euo pipefail\n" + "\n".join(offline_blocks(_page(name)))
@@ -350,3 +352,116 @@ def test_operator_pages_keep_source_citations_out(name: str) -> None:
     citations = re.findall(r"[\w./-]+\.(?:go|sh|py|ya?ml|md):\d+", _page(name))
     assert not citations, citations
     assert not re.search(r"` @ v?\d", _page(name)), "a source file pinned at a tag: move it to gateway-chains.md"
+
+
+# What each setting is changed to, to show it reaches Envoy's bootstrap (a valid value that differs from the
+# Compose default and, where a setting only matters beside another, with that one).
+_CHANGED = {
+    "PD_EXTPROC_ADAPTER": {"PD_EXTPROC_ADAPTER": "sglang"},
+    "PD_EXTPROC_GRPC_LISTEN": {"PD_EXTPROC_GRPC_LISTEN": "unix:/var/run/pd-extproc/other.sock"},
+    "PD_EXTPROC_DECODE": {"PD_EXTPROC_DECODE": "127.0.0.1:8300"},
+    "PD_EXTPROC_PREFILL_DEADLINE": {"PD_EXTPROC_PREFILL_DEADLINE": "90s"},
+    "PD_EXTPROC_MAX_REQUEST_BYTES": {"PD_EXTPROC_MAX_REQUEST_BYTES": "16MiB"},
+    "PD_EXTPROC_MAX_INFLIGHT": {"PD_EXTPROC_MAX_INFLIGHT": "2048"},
+    "PD_EXTPROC_WORKERS": {"PD_EXTPROC_WORKERS": "2"},
+    "PD_EXTPROC_TRUST_CLIENT_STEERING": {"PD_EXTPROC_TRUST_CLIENT_STEERING": "true"},
+    "PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": {"PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": "true"},
+    "PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": {"PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": "true"},
+    "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": {"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": "600s"},
+    "PD_EXTPROC_LISTEN": {"PD_EXTPROC_LISTEN": "0.0.0.0:8080"},
+    "PD_EXTPROC_ENVOY_ADMIN": {"PD_EXTPROC_ENVOY_ADMIN": "127.0.0.1:9911"},
+    "PD_EXTPROC_ENVOY_STATS_LISTEN": {"PD_EXTPROC_ENVOY_STATS_LISTEN": "0.0.0.0:9902"},
+    "PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": {"PD_EXTPROC_ENVOY_MESSAGE_TIMEOUT": "120s"},
+    "PD_EXTPROC_CLIENT_BODY_TIMEOUT": {"PD_EXTPROC_CLIENT_BODY_TIMEOUT": "45s"},
+    "PD_EXTPROC_DECODE_IDLE_TIMEOUT": {"PD_EXTPROC_DECODE_IDLE_TIMEOUT": "900s"},
+    "PD_EXTPROC_TRUSTED_SOURCES": {"PD_EXTPROC_TRUSTED_SOURCES": "172.28.0.0/24"},
+    "PD_EXTPROC_LOG_LEVEL": {"PD_EXTPROC_LOG_LEVEL": "debug"},
+    "PD_EXTPROC_PREFILL_ALLOW": {"PD_EXTPROC_PREFILL_ALLOW": "172.28.0.11/32:8000"},
+}
+# Settings Envoy's bootstrap reads through a derived value (Settings.message_timeout, an engine's decode_wait).
+_DERIVED = {"message_timeout": {"prefill_deadline", "envoy_message_timeout"}, "engine_options": set()}
+
+
+def _compose_bootstrap(**changes: str) -> str:
+    from deploy.render_manifests import compose_settings
+    from extproc.envoy.bootstrap import render_yaml
+
+    _, env = compose_settings("vllm")
+    return render_yaml(load_settings({**env, **changes}))
+
+
+def _rerender_settings(text: str) -> tuple[set[str], set[str]]:
+    """(the settings the Compose page says need Envoy's bootstraps rendered again, those it says do not)."""
+    paragraph = text[text.index("Envoy's bootstrap holds"):text.index("```sh", text.index("Envoy's bootstrap holds"))]
+    needs, rest = paragraph.split("A setting only the server reads", 1)
+    names = lambda part: {name if name.startswith("PD_") else "PD_EXTPROC" + name  # noqa: E731
+                          for name in re.findall(r"`(PD_EXTPROC_[A-Z_]+|_[A-Z_]+)\*?`", part)}
+    envoy = {row.split("`")[1] for row in (validate.REPO / "docs" / "configuration.md").read_text().splitlines()
+             if row.startswith("| `PD_EXTPROC_") and row.split("|")[3].strip() == "Envoy"}
+    listed = names(needs) | envoy
+    guards = {name for name in _CHANGED if name.startswith("PD_EXTPROC_GUARD_")}
+    return (listed - {"PD_EXTPROC_GUARD_"} | guards) - {"PD_EXTPROC_ENVOY_BIN"}, names(rest.split("needs only")[0])
+
+
+def test_the_compose_page_names_every_setting_that_changes_envoys_bootstrap() -> None:
+    """Each setting it says needs a re-render changes the bootstrap, each it says does not leaves it as is,
+    and every Settings field the bootstrap reads is one of the former."""
+    from extproc.config import specs
+
+    needs, only_server = _rerender_settings(_page("compose"))
+    assert only_server == {"PD_EXTPROC_LOG_LEVEL", "PD_EXTPROC_PREFILL_ALLOW"}
+    shipped = _compose_bootstrap()
+    for name in sorted(needs):
+        assert _compose_bootstrap(**_CHANGED[name]) != shipped, f"{name} does not reach Envoy's bootstrap"
+    for name in sorted(only_server):
+        assert _compose_bootstrap(**_CHANGED[name]) == shipped, f"{name} does reach Envoy's bootstrap"
+    env_by_field = {spec.name: spec.env for spec in specs()}
+    source = (validate.REPO / "extproc" / "envoy" / "bootstrap.py").read_text()
+    read = set(re.findall(r"settings\.([a-z_]+)", source))
+    fields = {field for name in read for field in _DERIVED.get(name, {name})}
+    assert {env_by_field[field] for field in fields} <= needs
+    assert "PD_EXTPROC_SGLANG_PREFILL_DEADLINE" in needs  # engine_options: SGLang's decode wait
+
+
+def test_the_compose_pages_render_is_what_the_shipped_bootstraps_are(tmp_path: Path) -> None:
+    """The operator's render (no `make`, no test tooling) gives exactly the files Compose mounts."""
+    for path in (validate.REPO / "envoy").glob("envoy.*.yaml"):
+        assert path.name.removeprefix("envoy.").removesuffix(".yaml") in ("vllm", "sglang", "trtllm")
+    workdir = tmp_path
+    shutil.copytree(validate.REPO / "envoy", workdir / "envoy")
+    for path in (workdir / "envoy").glob("envoy.*.yaml"):
+        path.unlink()
+    result = run_offline("compose", workdir / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for engine in ("vllm", "sglang", "trtllm"):
+        rendered = (workdir / "run" / "envoy" / f"envoy.{engine}.yaml").read_text()
+        assert rendered == (validate.REPO / "envoy" / f"envoy.{engine}.yaml").read_text(), engine
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(validate.COMPOSE_FILE.read_text())
+
+
+def test_the_compose_pages_image_render_uses_the_image_and_settings_compose_runs() -> None:
+    text = _page("compose")
+    [command] = re.findall(r"docker run --rm (.*?) > ", text.replace("\\\n", " "), re.S)
+    services = _compose()["services"]
+    env_files = [f"envoy/{name}".replace("${PD_ENGINE:-vllm}", "$engine") for name in services["envoy"]["env_file"]]
+    assert re.findall(r'--env-file "?([^ "]+)"?', command) == env_files
+    assert command.split()[-2:] == [services["envoy"]["image"], "envoy-config"]
+
+
+def test_the_compose_pages_envoy_stats_command_reads_envoys_admin_inside_the_decode_network() -> None:
+    observe = _section(_page("compose"), "observe")
+    [command] = [line for line in observe.splitlines() if line.startswith("docker compose ")]
+    match = re.match(r"docker compose -f envoy/docker-compose.yaml exec (\S+) (\S+) -c .*"
+                     r"urlopen\('http://([\d.]+):(\d+)/stats/prometheus'\)", command)
+    assert match, command
+    service, interpreter, host, port = match.groups()
+    compose = _compose()["services"][service]
+    assert compose["network_mode"] == "service:decode" and compose["healthcheck"]["test"][1] == interpreter
+    admin = yaml.safe_load((validate.REPO / "envoy" / "envoy.vllm.yaml").read_text())["admin"]["address"]
+    assert (host, int(port)) == (admin["socket_address"]["address"], admin["socket_address"]["port_value"])
+    assert all(f"{port}" not in published for published in _compose()["services"]["decode"]["ports"])
+    for histogram in ("time_to_first_token_ms", "decode_ms"):
+        assert f"envoy_pd_{histogram}" in observe and f"name: {histogram}" in (validate.REPO / "envoy" / "envoy.vllm.yaml").read_text()
