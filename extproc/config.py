@@ -295,13 +295,13 @@ def open_prefill_policy(settings: Settings) -> str:
         return ""
     if settings.mode == "gateway":
         return ("refusing to start in gateway mode without PD_EXTPROC_PREFILL_ALLOW: set it to the prefill pods' "
-                "CIDR and port (e.g. 10.0.0.0/8:8000) or their Service name (README, Security model)")
+                "CIDR and port (e.g. 10.0.0.0/8:8000) or their Service name (README, 'Security in brief')")
     if settings.trusted_sources:
         return ""
     return ("refusing to start with neither PD_EXTPROC_PREFILL_ALLOW nor PD_EXTPROC_TRUSTED_SOURCES: any client "
             "could choose where this server sends its prompt and credentials. Set PD_EXTPROC_PREFILL_ALLOW to the "
             "prefill workers (CIDR:ports or name:ports) and/or PD_EXTPROC_TRUSTED_SOURCES to the gateway's CIDRs "
-            "(README, Security model); PD_EXTPROC_DEMO=true is for the emulated demo only")
+            "(README, 'Security in brief'); PD_EXTPROC_DEMO=true is for the emulated demo only")
 
 
 def _did_you_mean(name: str) -> str:

@@ -47,3 +47,47 @@ def test_error_ratio_queries_exclude_exactly_the_outcomes_that_are_not_errors() 
     assert len(excluded) >= 2, "operations.md's error-ratio query and the dashboard's error panel"
     for pattern in excluded:
         assert set(pattern.split("|")) == NOT_ERROR_OUTCOMES, pattern
+
+
+# The pages an operator reads: no internal issue numbers, no remarks about the machines the tests ran on.
+OPERATOR_DOCS = ("README.md", *(f"docs/install/{path.name}" for path in sorted((REPO / "docs" / "install").glob("*.md"))),
+                 "docs/configuration.md", "docs/troubleshooting.md", "docs/operations.md", "docs/security.md",
+                 "docs/deployment.md", "docs/gateway.md")
+_INTERNAL = re.compile(r"\bissues? #?\d+|\b(?:this|test) machine", re.I)
+
+
+def test_operator_docs_carry_no_issue_numbers_or_test_machine_remarks() -> None:
+    found = [f"{name}: {match.group()}" for name in OPERATOR_DOCS
+             for match in _INTERNAL.finditer((REPO / name).read_text())]
+    assert not found, found
+    assert len(OPERATOR_DOCS) == 11
+
+
+def test_design_decisions_are_named_not_referred_to_by_issue_number() -> None:
+    """docs/decisions.md (linked from README's limits) keeps its measurements; each decision has a name."""
+    text = (REPO / "docs" / "decisions.md").read_text()
+    assert not re.findall(r"\bissues? #?\d+", text, re.I)
+
+
+def _readme_headings() -> set[str]:
+    return {line.lstrip("#").strip() for line in (REPO / "README.md").read_text().splitlines() if line.startswith("## ")}
+
+
+def _readme_references() -> list[tuple[str, str]]:
+    """(file, section) for every "README, <section>" / README's "<section>" in the docs and the code."""
+    found = []
+    paths = [*REPO.glob("*.md"), *REPO.glob("docs/**/*.md"), *REPO.glob("bench/*.md"), *REPO.glob("extproc/**/*.py"),
+             *REPO.glob("k8s/**/*.yaml"), *REPO.glob("envoy/*")]
+    pattern = re.compile(r"""README(?:, |'s )["'“]?([A-Z][\w -]*[\w])["'”]?""")
+    for path in paths:
+        if path.is_file():
+            for section in pattern.findall(path.read_text(errors="replace")):
+                found.append((str(path.relative_to(REPO)), section))
+    return found
+
+
+def test_every_readme_section_a_document_or_message_names_is_a_readme_heading() -> None:
+    references = _readme_references()
+    assert ("extproc/config.py", "Security in brief") in references
+    wrong = [(path, section) for path, section in references if section not in _readme_headings()]
+    assert not wrong, wrong
