@@ -71,7 +71,8 @@ def test_make_run_starts_the_demo_on_the_banners_address() -> None:
     recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", MAKEFILE, re.M)
     assert recipe and "pd-extproc up --demo --listen $(LISTEN)" in recipe.group(1)
     assert f"url=http://{make_default('LISTEN')} " in readme_banner()
-    assert "It runs `pd-extproc up --demo`" in README
+    # The command quoted whole, as the recipe runs it (not a shortened form an operator cannot reproduce).
+    assert f"It runs `pd-extproc up --demo --listen {make_default('LISTEN')}`" in README
 
 
 def test_every_make_target_readme_names_exists() -> None:
@@ -109,3 +110,14 @@ def test_readme_defines_the_words_a_newcomer_meets() -> None:
     for word in ("NIXL", "endpoint picker", "InferencePool", "client guard", "passthrough", "x-pd-fallback",
                  "prefill leg", "handoff", "adapter", "trusted sources"):
         assert any(word in entry for entry in defined), word
+
+
+def test_readme_sends_every_shipped_sidecar_overlay_somewhere_with_steps() -> None:
+    """An overlay without an install page (GKE, none) is named with the section that gives its steps."""
+    overlays = {path.name for path in (REPO / "k8s" / "overlays").iterdir() if path.is_dir()}
+    without_page = overlays - {"envoy-gateway", "istio", "example"}
+    assert without_page == {"gke", "none"}
+    paragraph = next(block for block in README.split("\n\n") if "`k8s/overlays/gke`" in block)
+    assert "(docs/deployment.md#kubernetes)" in paragraph
+    section = (REPO / "docs" / "deployment.md").read_text().split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    assert all(f"k8s/overlays/{name}`" in section for name in without_page)
