@@ -368,7 +368,8 @@ _CHANGED = {
     "PD_EXTPROC_TRUST_CLIENT_STEERING": {"PD_EXTPROC_TRUST_CLIENT_STEERING": "true"},
     "PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": {"PD_EXTPROC_GUARD_ALLOW_COMPRESSED_BODIES": "true"},
     "PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": {"PD_EXTPROC_GUARD_ALLOW_FORM_JSON_FIELDS": "true"},
-    "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": {"PD_EXTPROC_ADAPTER": "sglang", "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": "600s"},
+    "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": {"PD_EXTPROC_ADAPTER": "sglang",
+                                           "PD_EXTPROC_SGLANG_PREFILL_DEADLINE": "600s"},
     "PD_EXTPROC_LISTEN": {"PD_EXTPROC_LISTEN": "0.0.0.0:8080"},
     "PD_EXTPROC_ENVOY_ADMIN": {"PD_EXTPROC_ENVOY_ADMIN": "127.0.0.1:9911"},
     "PD_EXTPROC_ENVOY_STATS_LISTEN": {"PD_EXTPROC_ENVOY_STATS_LISTEN": "0.0.0.0:9902"},
@@ -459,5 +460,6 @@ def test_the_compose_pages_envoy_stats_command_reads_envoys_admin_inside_the_dec
     admin = yaml.safe_load((validate.REPO / "envoy" / "envoy.vllm.yaml").read_text())["admin"]["address"]
     assert (host, int(port)) == (admin["socket_address"]["address"], admin["socket_address"]["port_value"])
     assert all(f"{port}" not in published for published in _compose()["services"]["decode"]["ports"])
+    bootstrap = (validate.REPO / "envoy" / "envoy.vllm.yaml").read_text()
     for histogram in ("time_to_first_token_ms", "decode_ms"):
-        assert f"envoy_pd_{histogram}" in observe and f"name: {histogram}" in (validate.REPO / "envoy" / "envoy.vllm.yaml").read_text()
+        assert f"envoy_pd_{histogram}" in observe and f"name: {histogram}" in bootstrap

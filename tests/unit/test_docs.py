@@ -50,7 +50,8 @@ def test_error_ratio_queries_exclude_exactly_the_outcomes_that_are_not_errors() 
 
 
 # The pages an operator reads: no internal issue numbers, no remarks about the machines the tests ran on.
-OPERATOR_DOCS = ("README.md", *(f"docs/install/{path.name}" for path in sorted((REPO / "docs" / "install").glob("*.md"))),
+INSTALL_PAGES = sorted((REPO / "docs" / "install").glob("*.md"))
+OPERATOR_DOCS = ("README.md", *(f"docs/install/{path.name}" for path in INSTALL_PAGES),
                  "docs/configuration.md", "docs/troubleshooting.md", "docs/operations.md", "docs/security.md",
                  "docs/deployment.md", "docs/gateway.md")
 _INTERNAL = re.compile(r"\bissues? #?\d+|\b(?:this|test) machine", re.I)
@@ -70,7 +71,8 @@ def test_design_decisions_are_named_not_referred_to_by_issue_number() -> None:
 
 
 def _readme_headings() -> set[str]:
-    return {line.lstrip("#").strip() for line in (REPO / "README.md").read_text().splitlines() if line.startswith("## ")}
+    lines = (REPO / "README.md").read_text().splitlines()
+    return {line.lstrip("#").strip() for line in lines if line.startswith("## ")}
 
 
 def _readme_references() -> list[tuple[str, str]]:
