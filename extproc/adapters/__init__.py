@@ -4,8 +4,9 @@ first use, not at import, so a broken plugin is an ``EngineLoadError`` the CLI r
 What is installed does not change while the process runs, so it is read once per process and kept
 read-only (a mapping nobody can change, of frozen ``Engine`` values): a constant, not shared state.
 
-Adding an engine is its module (an ``ENGINE``, its adapter), its emulator module and its tests: this
-registry, the settings, the CLI and the stack read everything else from the ``Engine``.
+Adding a built-in engine is its module (an ``ENGINE``, its adapter) named in ``BUILTIN_MODULES``, its
+steering fields and headers (protocol/steering.py), its emulator module and its tests: the settings, the
+CLI and the stack read everything else from the ``Engine``.
 """
 
 from __future__ import annotations

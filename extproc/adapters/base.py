@@ -189,7 +189,8 @@ class QueueGauges:
 
 @dataclass(frozen=True, slots=True)
 class Engine:
-    """One engine's declaration; its module is all a new engine needs (plus its emulator and tests).
+    """One engine's declaration; its module is all a new engine needs (plus its steering fields and headers
+    in protocol/steering.py, its emulator and its tests).
 
     ``settings`` are its own PD_EXTPROC_* settings; ``build`` gets the pin and those settings' values
     by name; ``option_problems`` adds the cross-field rules (e.g. a pin that needs a key).

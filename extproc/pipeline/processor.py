@@ -142,7 +142,10 @@ class PdProcessor:
         # What the adapter's route owns, once for the processor's life: the headers no leg receives from a
         # client (its fields are the inspection's rules).
         self._stripped_headers = adapter.reserved_headers | STEERING_HEADER_NAMES
-        self._stripped_sorted = tuple(sorted(self._stripped_headers | frozenset(strip_before_decode)))
+        self._stripped_sorted = tuple(sorted(self._stripped_headers))
+        # Appended after those, whatever the adapter sets, each once: the order and rule the gateway's body
+        # reply had before the processor took this job, so a reply's bytes stay as they were.
+        self._strip_after = tuple(sorted(frozenset(strip_before_decode)))
         self.inspector = inspector or Inspector(self.inspection_rules(adapter, max_request_bytes))
         # The paths the adapter serves P/D (gateway mode passes every other request through).
         self.pd_paths = paths_of(adapter.endpoints)
@@ -380,6 +383,8 @@ class PdProcessor:
                       metadata: Mapping[str, str] | None = None) -> SendToDecode:
         overridden = {name for name, _ in decision.headers}
         remove = [name for name in self._stripped_sorted if name not in overridden]
+        if self._strip_after:
+            remove.extend([name for name in self._strip_after if name not in remove])
         return SendToDecode(decision.body, decision.headers, remove, metadata)
 
     def _leave(self) -> None:

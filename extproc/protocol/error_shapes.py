@@ -14,16 +14,9 @@ import orjson
 from extproc.protocol.errors import SPEC, Code, error_body
 from extproc.protocol.relayed_error import RelayedError
 
-MESSAGES_PATH = "/v1/messages"
-
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 504: "timeout_error"}
-
-
-def is_anthropic(path: str) -> bool:
-    """A request on the Anthropic Messages API (its query string aside)."""
-    return path.split("?", 1)[0] == MESSAGES_PATH
 
 
 def anthropic_type(status: int) -> str:

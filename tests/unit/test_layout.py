@@ -1,17 +1,18 @@
 """The tree is the architecture: each folder is one floor of it, and imports only go down.
 
-  floor 5  extproc/ top level      app (the object graph), cli, plugin, supervisor, network_check, ready
-  floor 4  extproc/envoy/          the edge: the only code that builds or reads Envoy's protobufs
-  floor 3  extproc/ settings       config, cpus, workers (what the edge's Envoy renderer reads)
-  floor 2  extproc/pipeline/       one request's P/D decision, returned as plain values
-  floor 1  extproc/adapters/ | extproc/upstream/ | extproc/observability/  (side by side: none imports
+  floor 6  extproc/ top level      app (the object graph), cli, plugin, supervisor, network_check, ready
+  floor 5  extproc/envoy/          the edge: the only code that builds or reads Envoy's protobufs
+  floor 4  extproc/ settings       config, cpus, workers (what the edge's Envoy renderer reads)
+  floor 3  extproc/pipeline/       one request's P/D decision, returned as plain values
+  floor 2  extproc/adapters/ | extproc/upstream/ | extproc/observability/  (side by side: none imports
            another)
+  floor 1  extproc/clock.py        time as one object passed in (asyncio's sleep and timeout underneath)
   floor 0  extproc/protocol/       the pure floor: request parsing, JSON spans, fields, steering, the
                                    prefill policy, relayed errors, the error table, the transport seam
   pd_extproc_lab/                  emulated engines and the demo stack (never on the request path)
 
 A module imports modules of its own room and of lower floors only; the import graph has no circle
-(``if TYPE_CHECKING:`` and function-level imports count). docs/architecture.md draws the same plan.
+(``if TYPE_CHECKING:``, function-level and relative imports count). docs/architecture.md draws the same plan.
 """
 
 from __future__ import annotations
@@ -56,17 +57,27 @@ def modules() -> Iterator[tuple[str, Path]]:
 
 
 def imports(path: Path, *, top_level_only: bool = False) -> set[str]:
-    tree = ast.parse(path.read_text())
+    return imports_of(path.read_text(), ".".join(path.parent.relative_to(REPO).parts), top_level_only=top_level_only)
+
+
+def imports_of(source: str, package: str, *, top_level_only: bool = False) -> set[str]:
+    """What a module of ``package`` imports (its source), as absolute names: ``from a.b import c`` gives
+    ``a.b`` and ``a.b.c``; a relative import is resolved against ``package``."""
+    tree = ast.parse(source)
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     if top_level_only:  # `if TYPE_CHECKING:` blocks count as top level
         nodes = [n for node in nodes for n in ([node] if not isinstance(node, ast.If) else ast.walk(node))]
+    here = package.split(".")
     found: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            origin = ".".join([*base, *([node.module] if node.module else [])])
+            if origin:
+                found.add(origin)
+                found.update(f"{origin}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -86,9 +97,13 @@ def room_of(module: str) -> tuple[int, tuple[str, ...]] | None:
 def module_imports(path: Path) -> set[str]:
     """The extproc modules this file imports, as module names (``from a.b import c`` is ``a.b.c`` when
     that is a module, else ``a.b``)."""
+    return extproc_modules(imports(path))
+
+
+def extproc_modules(names: set[str]) -> set[str]:
     known = {name for name, _ in EXTPROC}
     found = set()
-    for name in imports(path):
+    for name in names:
         while name and name not in known:
             name = name.rpartition(".")[0]
         if name.startswith("extproc"):
@@ -187,6 +202,31 @@ def test_the_checks_name_an_upward_import_and_a_circle() -> None:
     assert circles(old) == [["extproc.observability.metrics", "extproc.observability.tracing"]]
 
 
+def test_the_checks_read_imports_in_functions_under_type_checking_and_relative() -> None:
+    """From source, as the two checks above read the tree: an import inside a function, one under
+    ``if TYPE_CHECKING:`` and a relative one each count, upward, sideways or round."""
+    floor = ("from typing import TYPE_CHECKING\n"
+             "if TYPE_CHECKING:\n    from extproc.pipeline.decisions import LocalReply\n"
+             "def reply():\n    import extproc.envoy.messages\nfrom ..upstream import client\n")
+    assert extproc_modules(imports_of(floor, "extproc.protocol")) == {
+        "extproc.pipeline.decisions", "extproc.envoy.messages", "extproc.upstream", "extproc.upstream.client"}
+    side = "def scrape():\n    from ..adapters.base import QueueGauges\n"
+    graph = {"extproc.protocol.sample": extproc_modules(imports_of(floor, "extproc.protocol")),
+             "extproc.upstream.sample": extproc_modules(imports_of(side, "extproc.upstream")),
+             "extproc.observability.metrics": extproc_modules(imports_of(
+                 "def spans():\n    from extproc.observability import tracing\n", "extproc.observability")),
+             "extproc.observability.tracing": extproc_modules(imports_of(
+                 "from .metrics import Metrics\n", "extproc.observability"))}
+    assert upward_imports(graph) == [
+        "extproc.protocol.sample (floor 0) imports extproc.envoy.messages (floor 5): an upward import",
+        "extproc.protocol.sample (floor 0) imports extproc.pipeline.decisions (floor 3): an upward import",
+        "extproc.protocol.sample (floor 0) imports extproc.upstream (floor 2): an upward import",
+        "extproc.protocol.sample (floor 0) imports extproc.upstream.client (floor 2): an upward import",
+        "extproc.upstream.sample imports extproc.adapters.base: two rooms of floor 2 (extproc.upstream, "
+        "extproc.adapters)"]
+    assert circles(graph) == [["extproc.observability.metrics", "extproc.observability.tracing"]]
+
+
 # What the pure floor and the adapters never import: no event loop, no sockets, no threads or processes,
 # no clock, no logging, no protobufs.
 IMPURE = ("asyncio", "socket", "ssl", "selectors", "threading", "multiprocessing", "concurrent", "subprocess",
@@ -201,8 +241,10 @@ PURE_EXCEPTIONS = {("extproc.protocol.settings_spec", "os")}
                                                                                      "extproc.adapters"))],
                          ids=lambda value: value if isinstance(value, str) else "")
 def test_the_floor_and_the_adapters_do_no_io(name: str, path: Path) -> None:
-    bad = sorted(i for i in imports(path) if i.split(".")[0] in IMPURE and (name, i.split(".")[0])
-                 not in PURE_EXCEPTIONS)
+    """Nor does either take time from extproc/clock.py (floor 1, under the adapters): time comes to an
+    adapter as a value, if at all."""
+    bad = sorted(i for i in imports(path) if (i.split(".")[0] in IMPURE or i.startswith("extproc.clock"))
+                 and (name, i.split(".")[0]) not in PURE_EXCEPTIONS)
     assert not bad, f"{name} imports {bad}: the floor and the adapters are pure"
 
 
