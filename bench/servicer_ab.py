@@ -31,10 +31,11 @@ BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " 
 KINDS = ("ok", "refuse")
 
 
-def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = False) -> float:
+def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = False, process: bool = False) -> float:
     """The least thread-CPU µs per request over ``batches`` (in this process's ``extproc``); ``log``:
-    the one info line per request on, as ``serve`` writes it (to /dev/null, by the writer thread, whose
-    CPU is not counted), else logging off."""
+    the one info line per request on, as ``serve`` writes it (by the writer thread, into a pipe a
+    ``cat`` drains, as into a log collector), else logging off; ``process``: the CPU of every thread
+    of the process (the log writer's too), not only the loop's."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from extproc.adapters.vllm_nixl import VllmNixlAdapter
@@ -47,9 +48,12 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = Fals
     from extproc.plugin import FakeTransport
     from extproc.protocol.transport import ResolvedTarget, WorkerAddress, WorkerReply
 
+    cpu_time = time.process_time if process else time.thread_time
     if log:
         from extproc.observability import logs
-        logs.configure("info", open(os.devnull, "w"))  # noqa: SIM115 (the writer's, for the process's life)
+        drain = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        assert drain.stdin is not None
+        logs.configure("info", drain.stdin)  # the pipe lives as long as the process
     else:
         logging.disable(logging.CRITICAL)
     loopback = ipaddress.ip_address("127.0.0.1")
@@ -87,20 +91,20 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = Fals
         best = float("inf")
         for _ in range(batches):
             transport.answers.extend([reply] * per_batch)
-            started = time.thread_time()
+            started = cpu_time()
             for _ in range(per_batch):
                 await request()
-            best = min(best, (time.thread_time() - started) / per_batch * 1e6)
+            best = min(best, (cpu_time() - started) / per_batch * 1e6)
         transport.answers.clear()
         return best
 
     return asyncio.run(measure())
 
 
-def _run_in(tree: Path, kind: str, log: bool) -> float:
+def _run_in(tree: Path, kind: str, log: bool, process: bool) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # This file, run in the tree's directory: its ``extproc`` is the one imported.
-    argv = ["servicer_ab", "--one", kind] + (["--log"] if log else [])
+    argv = ["servicer_ab", "--one", kind] + (["--log"] if log else []) + (["--process"] if process else [])
     code = (f"import runpy, sys; sys.argv = {argv!r}; "
             f"runpy.run_path({__file__!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
@@ -118,16 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("old", type=Path, nargs="?")
     parser.add_argument("new", type=Path, nargs="?")
     parser.add_argument("--runs", type=int, default=12)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--log", action="store_true", help="the per-request log line on (to /dev/null)")
+    parser.add_argument("--process", action="store_true", help="count every thread's CPU (the log writer's too)")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(f"{one_run(args.one, log=args.log):.3f}")
+        print(f"{one_run(args.one, log=args.log, process=args.process):.3f}")
         return 0
     if args.old is None or args.new is None:
         parser.error("give the two trees")
-    for kind in KINDS:
-        runs = [tuple(_run_in(tree, kind, args.log) for tree in (args.old, args.new, args.old))
+    for kind in args.kinds:
+        runs = [tuple(_run_in(tree, kind, args.log, args.process) for tree in (args.old, args.new, args.old))
                 for _ in range(args.runs)]
         old, new, again = ([run[i] for run in runs] for i in range(3))
         diff, noise = [b - a for a, b in zip(old, new, strict=True)], [c - a for a, c in zip(old, again, strict=True)]
