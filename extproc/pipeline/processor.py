@@ -45,7 +45,7 @@ from extproc.protocol import error_shapes
 from extproc.protocol.errors import Code, PdError
 from extproc.protocol.headers import prefill_headers
 from extproc.protocol.inspection import Rules
-from extproc.protocol.openai_request import ClientRequest, Endpoint, endpoint_at, paths_of, refuse_unsupported
+from extproc.protocol.openai_request import ClientRequest, Endpoint, paths_of, refuse_unsupported
 from extproc.protocol.prefill_target import HEADER, PrefillTargets
 from extproc.protocol.request_head import RequestHead
 from extproc.protocol.steering import STEERING_HEADER_NAMES
@@ -447,8 +447,11 @@ def error_reply(error: PdError, extra: Sequence[tuple[str, bytes]] = (), anthrop
 
 def api_label(path: str) -> str:
     """The ``api`` label of a request's path: an Endpoint's short name, or "other"."""
-    endpoint = endpoint_at(path)
-    return "other" if endpoint is None else endpoint.api
+    bare = path.split("?", 1)[0]
+    for endpoint in Endpoint:
+        if bare == endpoint.value:
+            return endpoint.api
+    return "other"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -73,20 +73,12 @@ _OPTIONAL_POSITIVE_INT = ("max_tokens", "max_completion_tokens")
 MAX_MEMBERS = 256
 
 
-# Each endpoint by its path: one dict lookup per request instead of a walk over the enum.
-_BY_PATH: Mapping[str, Endpoint] = {endpoint.value: endpoint for endpoint in Endpoint}
-
-
-def endpoint_at(path: str) -> Endpoint | None:
-    """The endpoint a request path (its query ignored) names, or None."""
-    return _BY_PATH.get(path.split("?", 1)[0])
-
-
 def endpoint_of(path: str, served: frozenset[Endpoint] = OPENAI_ENDPOINTS) -> Endpoint:
-    endpoint = endpoint_at(path)
-    if endpoint is None or endpoint not in served:
-        raise PdError(Code.UNSUPPORTED_ENDPOINT)
-    return endpoint
+    bare = path.split("?", 1)[0]
+    for endpoint in served:
+        if bare == endpoint.value:
+            return endpoint
+    raise PdError(Code.UNSUPPORTED_ENDPOINT)
 
 
 def is_json_content_type(value: str | None) -> bool:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from extproc.pipeline.processor import api_label
 from extproc.protocol.errors import Code, PdError
-from extproc.protocol.openai_request import OPENAI_ENDPOINTS, Endpoint, endpoint_of, parse_client_request
+from extproc.protocol.openai_request import parse_client_request
 
 COMPLETIONS = "/v1/completions"
 
@@ -35,16 +34,3 @@ def test_anything_else_is_refused(prompt: object, code: Code) -> None:
     with pytest.raises(PdError) as refused:
         parse(prompt)
     assert refused.value.code is code and refused.value.field == "prompt"
-
-
-def test_endpoint_of_takes_only_a_served_path_its_query_ignored() -> None:
-    assert endpoint_of("/v1/chat/completions?x=/v1/completions") is Endpoint.CHAT
-    assert endpoint_of("/v1/completions", frozenset({Endpoint.COMPLETIONS})) is Endpoint.COMPLETIONS
-    for path, served in (("/v1/messages", OPENAI_ENDPOINTS), ("/v1/chat/completions/", OPENAI_ENDPOINTS),
-                         ("/V1/chat/completions", OPENAI_ENDPOINTS), ("", OPENAI_ENDPOINTS),
-                         ("/v1/chat/completions", frozenset({Endpoint.COMPLETIONS}))):
-        with pytest.raises(PdError) as caught:
-            endpoint_of(path, served)
-        assert caught.value.code is Code.UNSUPPORTED_ENDPOINT
-    assert [api_label(p) for p in ("/v1/chat/completions?a=b", "/generate", "/inference/v1/generate", "/v1/x", "")] \
-        == ["chat", "sglang_generate", "generate", "other", "other"]
