@@ -7,7 +7,7 @@ from bytes, fed to the servicer's ``Process`` and each reply serialised; the pre
 request to decode's body) and ``refuse`` (an invalid prefill target, refused at the head). Each run is a
 fresh process importing one tree's ``extproc`` (PYTHONPATH); its figure is the least thread-CPU µs per
 request over 8 batches of 1,000. Runs go A, B, A' in turn, so A' - A is the harness's own noise (A/A)
-beside B - A. This file imports only ``extproc`` names both trees have (after the move to floors).
+beside B - A. This file imports only ``extproc`` names both trees have (after the clock's arrival).
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " 
 KINDS = ("ok", "refuse")
 
 
-def one_run(kind: str, batches: int = 8, per_batch: int = 1000) -> float:
-    """The least thread-CPU µs per request over ``batches`` (in this process's ``extproc``)."""
+def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = False, process: bool = False) -> float:
+    """The least thread-CPU µs per request over ``batches`` (in this process's ``extproc``); ``log``:
+    the one info line per request on, as ``serve`` writes it (by the writer thread, into a pipe a
+    ``cat`` drains, as into a log collector), else logging off; ``process``: the CPU of every thread
+    of the process (the log writer's too), not only the loop's."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from extproc.adapters.vllm_nixl import VllmNixlAdapter
+    from extproc.clock import MonotonicClock
     from extproc.envoy.stream import ExtProcServicer
     from extproc.observability.metrics import Metrics
     from extproc.pipeline.admission import Admission
@@ -44,7 +48,14 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000) -> float:
     from extproc.plugin import FakeTransport
     from extproc.protocol.transport import ResolvedTarget, WorkerAddress, WorkerReply
 
-    logging.disable(logging.CRITICAL)
+    cpu_time = time.process_time if process else time.thread_time
+    if log:
+        from extproc.observability import logs
+        drain = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        assert drain.stdin is not None
+        logs.configure("info", drain.stdin)  # the pipe lives as long as the process
+    else:
+        logging.disable(logging.CRITICAL)
     loopback = ipaddress.ip_address("127.0.0.1")
     decode = ResolvedTarget(WorkerAddress("127.0.0.1", 8200, loopback), loopback, tls=False)
     reply = WorkerReply(200, "application/json",
@@ -60,8 +71,10 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000) -> float:
 
     async def measure() -> float:
         transport = FakeTransport()
-        processor = PdProcessor(VllmNixlAdapter(), transport, max_request_bytes=1 << 20, admission=Admission(64),
-                                metrics=Metrics(), background=BackgroundPrefills(), decode=decode, nonce=lambda: 1)
+        clock = MonotonicClock()
+        processor = PdProcessor(VllmNixlAdapter(), transport, decode_control=FakeTransport(), clock=clock,
+                                max_request_bytes=1 << 20, admission=Admission(64), metrics=Metrics(),
+                                background=BackgroundPrefills(clock), decode=decode, nonce=lambda: 1)
         servicer = ExtProcServicer(processor)
 
         async def messages() -> AsyncIterator[pb.ProcessingRequest]:
@@ -78,20 +91,21 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000) -> float:
         best = float("inf")
         for _ in range(batches):
             transport.answers.extend([reply] * per_batch)
-            started = time.thread_time()
+            started = cpu_time()
             for _ in range(per_batch):
                 await request()
-            best = min(best, (time.thread_time() - started) / per_batch * 1e6)
+            best = min(best, (cpu_time() - started) / per_batch * 1e6)
         transport.answers.clear()
         return best
 
     return asyncio.run(measure())
 
 
-def _run_in(tree: Path, kind: str) -> float:
+def _run_in(tree: Path, kind: str, log: bool, process: bool) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     # This file, run in the tree's directory: its ``extproc`` is the one imported.
-    code = (f"import runpy, sys; sys.argv = ['servicer_ab', '--one', {kind!r}]; "
+    argv = ["servicer_ab", "--one", kind] + (["--log"] if log else []) + (["--process"] if process else [])
+    code = (f"import runpy, sys; sys.argv = {argv!r}; "
             f"runpy.run_path({__file__!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=tree).stdout
@@ -108,15 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("old", type=Path, nargs="?")
     parser.add_argument("new", type=Path, nargs="?")
     parser.add_argument("--runs", type=int, default=12)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--log", action="store_true", help="the per-request log line on (to /dev/null)")
+    parser.add_argument("--process", action="store_true", help="count every thread's CPU (the log writer's too)")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(f"{one_run(args.one):.3f}")
+        print(f"{one_run(args.one, log=args.log, process=args.process):.3f}")
         return 0
     if args.old is None or args.new is None:
         parser.error("give the two trees")
-    for kind in KINDS:
-        runs = [(_run_in(args.old, kind), _run_in(args.new, kind), _run_in(args.old, kind)) for _ in range(args.runs)]
+    for kind in args.kinds:
+        runs = [tuple(_run_in(tree, kind, args.log, args.process) for tree in (args.old, args.new, args.old))
+                for _ in range(args.runs)]
         old, new, again = ([run[i] for run in runs] for i in range(3))
         diff, noise = [b - a for a, b in zip(old, new, strict=True)], [c - a for a, c in zip(old, again, strict=True)]
         print(f"{kind}: old {statistics.median(old):.1f} µs, new {statistics.median(new):.1f} µs per request; "

@@ -35,10 +35,10 @@ from extproc.protocol.fields import (
     ReservedField,
     all_ints,
     equals,
-    handoff_members,
     int_at_least,
     is_port,
     non_empty_str,
+    refuse_repeated_handoff_keys,
     set_members,
 )
 from extproc.protocol.openai_request import OPENAI_ENDPOINTS, ClientRequest, Endpoint
@@ -135,7 +135,7 @@ def handoff_from_reply(reply: WorkerReply, protocol: str) -> bytes:
     parsed, raw = parse_prefill_member(reply, KEY)
     params: Any = parsed.get(KEY)
     if isinstance(params, dict) and raw is not None:
-        handoff_members(raw, KEY)  # each field once: the copy validated is the one decode reads
+        refuse_repeated_handoff_keys(raw, params, KEY)  # each field once: what is validated is what decode reads
     validate_handoff(params, protocol)
     assert raw is not None
     return raw

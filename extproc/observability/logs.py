@@ -56,6 +56,7 @@ class _Second:
 _second = _Second()
 
 QUEUE_LINES = 1 << 16  # lines waiting for the writer before new ones are dropped
+HELD_LINES = 256  # at most this many lines go out in one write
 
 
 class LineQueueHandler(logging.handlers.QueueHandler):
@@ -85,18 +86,34 @@ class LineQueueHandler(logging.handlers.QueueHandler):
 
 
 class LineWriter(logging.handlers.QueueListener):
-    """Writes the queued lines to the stream, each followed by a newline and a flush."""
+    """Writes the queued lines to the stream, each followed by a newline. Lines that arrive while it
+    writes are written together, one write and flush for the lot (stderr is line-buffered: a write per
+    line is a system call per line); a line is held only while another is already queued behind it."""
 
     def __init__(self, lines: queue.Queue[str], stream: IO[str]) -> None:
         super().__init__(lines, respect_handler_level=False)
         self.lines = lines
         self.stream = stream
+        self._held: list[str] = []
 
     def handle(self, record: Any) -> None:
+        self._held.append(record)
+        # The last line queued always finds the queue empty here, so flush() (a join on the queue) and
+        # stop() never return with a line held.
+        if len(self._held) >= HELD_LINES or self.lines.empty():
+            self._write_held()
+
+    def _write_held(self) -> None:
+        text, self._held = "\n".join(self._held) + "\n", []
         # A failed write has nowhere left to be reported: dropped, as StreamHandler does with raiseExceptions off.
         with contextlib.suppress(Exception):
-            self.stream.write(record + "\n")
+            self.stream.write(text)
             self.stream.flush()
+
+    def stop(self) -> None:
+        super().stop()
+        if self._held:  # the stop sentinel was queued behind the last line
+            self._write_held()
 
 
 _writer: LineWriter | None = None

@@ -9,7 +9,7 @@ too. Errors name fields from the rule tables only, never anything a worker sent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
 
 from extproc.protocol import jsonspan
@@ -71,6 +71,13 @@ def handoff_members(raw: bytes, field: str) -> list[jsonspan.Member]:
         return jsonspan.unique_members(raw)
     except jsonspan.RepeatedKey:
         raise handoff_error(field, Problem.DUPLICATE_FIELD) from None
+
+
+def refuse_repeated_handoff_keys(raw: bytes, parsed: Sized, field: str) -> None:
+    """``handoff_members``' refusal without the members: ``raw`` is the JSON object a parser read as
+    ``parsed`` (which keeps one copy of a repeated key), so more members than parsed keys is a repeat."""
+    if jsonspan.member_count(raw) != len(parsed):
+        raise handoff_error(field, Problem.DUPLICATE_FIELD)
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,6 +216,11 @@ def count_and_value(raw: bytes, name: str) -> tuple[int, bytes | None]:
     return len(found), member_value(raw, found, name)
 
 
+def member_count(raw: bytes) -> int:
+    """How many top-level members ``raw`` has (``len(members(raw))``), without building them."""
+    return count_and_value(raw, "")[0]
+
+
 def member_value(raw: bytes, spans: Iterable[Member], name: str) -> bytes | None:
     """The raw bytes of a top-level member's value, or None if the member is absent."""
     for member in spans:

@@ -148,3 +148,15 @@ def test_fast_path_and_scanner_agree(obj: dict[str, Any], indent: int | None, as
     except jsonspan.RepeatedKey:
         repeated = True
     assert repeated == (duplicate and bool(obj))
+
+
+@settings(max_examples=300, deadline=None)
+@given(tricky_objects, st.sampled_from([None, 0, 2]), st.booleans())
+def test_member_count_is_the_number_of_members(obj: dict[str, Any], indent: int | None, duplicate: bool) -> None:
+    raw = json.dumps(obj, indent=indent).encode()
+    if duplicate and obj:  # the first member again at the end: one more member than parsed keys
+        first = next(iter(obj))
+        raw = raw.rstrip()[:-1] + b', ' + json.dumps(first).encode() + b': ' + json.dumps(obj[first]).encode() + b"}"
+    assert jsonspan.member_count(raw) == len(jsonspan.members(raw)) == len(obj) + (duplicate and bool(obj))
+    for raw in TRICKY:
+        assert jsonspan.member_count(raw) == len(jsonspan.members(raw))

@@ -106,3 +106,42 @@ def test_a_full_queue_drops_lines_and_reports_how_many() -> None:
     handler.put('{"n":4}')
     note, line = orjson.loads(lines.get_nowait()), lines.get_nowait()
     assert (note["msg"], note["dropped"], line) == ("log lines dropped", 2, '{"n":4}')
+
+
+class _GatedStream(io.StringIO):
+    """Records each write; the first one waits for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.writing, self.writes = threading.Event(), threading.Event(), list[str]()
+
+    def write(self, text: str) -> int:
+        self.writing.set()
+        if not self.writes:
+            assert self.gate.wait(10)
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_lines_queued_during_a_write_go_out_together_and_none_is_left_held() -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    sink = _GatedStream()
+    logs.configure("info", sink)
+    try:
+        logger = logging.getLogger("extproc.request")
+        logs.info(logger, "first", {})
+        assert sink.writing.wait(10)  # the writer is inside the first write
+        for n in range(4):
+            logs.info(logger, f"queued-{n}", {})
+        sink.gate.set()
+        logs.flush()
+        assert [[orjson.loads(line)["msg"] for line in text.splitlines()] for text in sink.writes] == [
+            ["first"], ["queued-0", "queued-1", "queued-2", "queued-3"]]
+        logs.info(logger, "last", {})
+        logs.stop()  # written before the thread ends, though the stop sentinel queued behind it
+        assert orjson.loads(sink.getvalue().splitlines()[-1])["msg"] == "last"
+    finally:
+        logs.stop()
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
