@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -296,7 +297,8 @@ def test_every_deployment_a_page_waits_for_is_in_the_render_it_applied(name: str
 
 
 def _sh_lines(text: str) -> list[str]:
-    return [line for block in re.findall(r"^```sh\n(.*?)^```$", text, re.S | re.M) for line in block.splitlines()]
+    return [line.strip() for block in re.findall(r"^```sh\n(.*?)^```$", text, re.S | re.M)
+            for line in block.splitlines()]
 
 
 @pytest.mark.parametrize("name", KUBERNETES_PAGES)
@@ -312,6 +314,98 @@ def test_port_forwards_are_killed_by_pid_and_waited_for_before_use(name: str) ->
             f"kill ${match.group(1)}" in _page(name), f"${match.group(1)} is never killed"
         after = next(line for line in lines[index + 1:] if "port-forward" not in line)
         assert after.startswith("until curl -s"), f"the forward is used before it is up: {after}"
+
+
+# The section of each page whose counters are read from which render of its offline steps.
+_COUNTED_RENDERS = {("envoy-gateway", "verify"): "my-pd.yaml", ("envoy-gateway", "sidecar mode"): "my-pd-sidecar.yaml",
+                    ("envoy-gateway", "other engines"): "my-pd-sglang.yaml", ("istio", "verify"): "my-pd.yaml"}
+
+
+def _pod_sums(section: str) -> list[tuple[str, int, str]]:
+    """(pod labels, port, metric) of each `pd_sum` call in a section."""
+    return [(labels, int(port), metric.strip("'")) for labels, port, metric
+            in re.findall(r"pd_sum (\S+) (\d+)/\S+ ('[^']+'|[\w:]+)", section)]
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_verify_reads_each_counter_on_every_replica_and_around_the_request(name: str, tmp_path: Path) -> None:
+    """Two pd-extproc and two decode replicas: a port-forward to a Deployment reaches one of them, so the
+    counters are summed over the pods the labels select, which must be exactly the pods of the Deployment that
+    serves that port, read before and after the request."""
+    result = run_offline(name, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = _page(name)
+    assert "port-forward deployment/" not in text and "pd_sum() {" in text
+    for (page, word), render in _COUNTED_RENDERS.items():
+        if page != name:
+            continue
+        sums = _pod_sums(_section(text, word))
+        assert sums, f"{name}.md, {word}: no counter summed over the pods"
+        deployments = [doc for doc in _rendered(tmp_path / render) if doc["kind"] == "Deployment"]
+        for labels, port, metric in sums:
+            wanted = dict(pair.split("=", 1) for pair in labels.split(","))
+            selected = [doc for doc in deployments
+                        if wanted.items() <= doc["spec"]["template"]["metadata"]["labels"].items()]
+            assert len(selected) == 1, (render, labels, [doc["metadata"]["name"] for doc in selected])
+            [deployment] = selected
+            assert deployment["spec"]["replicas"] > 1  # why one pod's counter is not enough
+            ports = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports", [])}
+            assert port in ports, (labels, port, ports)
+    verify = _section(text, "verify")
+    request = verify.index("/v1/chat/completions")
+    for labels, port, metric in _pod_sums(verify):
+        call = f"pd_sum {labels} {port}/"
+        assert -1 < verify.index(call) < request < verify.rindex(call), f"{metric}: not read before and after"
+    assert {metric for _, _, metric in _pod_sums(verify)} >= {'pd_extproc_requests_total\\{.*outcome="ok"',
+                                                               "vllm:nixl_xfer_time_seconds_count"}
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_verify_takes_the_gateways_address_first_and_the_port_forward_only_as_fallback(name: str) -> None:
+    """The port-forward's GATEWAY must not be overwritten by the (empty) address read after it."""
+    verify = _section(_page(name), "verify")
+    assignments = re.findall(r"^GATEWAY=(.*)$", verify, re.M)
+    assert assignments[0].startswith("$(kubectl -n inference get gateway pd-gateway"), assignments
+    assert assignments[1:] == ["127.0.0.1:8080"], assignments
+
+
+PD_SUM_LOCAL_PORT = 19000
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_pd_sum_adds_up_the_metric_over_every_pod(tmp_path: Path) -> None:
+    """The pages' `pd_sum`, run against a stand-in kubectl whose two "pods" serve metrics from folders."""
+    [function] = re.findall(r"^pd_sum\(\) \{\n.*?^\}$", _page("istio"), re.S | re.M)
+    assert function in _page("envoy-gateway")
+    for pod, lines in {"a": ['pd_extproc_requests_total{outcome="ok",route="pd"} 3.0',
+                             'pd_extproc_requests_total{outcome="prefill_error",route="pd"} 5.0'],
+                       "b": ["# TYPE pd_extproc_requests_total counter",
+                             'pd_extproc_requests_total{outcome="ok",route="pd"} 4.0']}.items():
+        (tmp_path / pod).mkdir()
+        (tmp_path / pod / "metrics").write_text("\n".join(lines) + "\n")
+    kubectl = tmp_path / "bin" / "kubectl"
+    kubectl.parent.mkdir()
+    kubectl.write_text(f"""#!/bin/bash
+case "$*" in
+  *"get pods -l app=x -o name"*) printf 'pod/a\\npod/b\\n';;
+  *port-forward*) cd "{tmp_path}/${{4#pod/}}" && exec {sys.executable} -m http.server --bind 127.0.0.1 "${{5%%:*}}";;
+  *) exit 2;;
+esac
+""")
+    kubectl.chmod(0o755)
+    assert f" {PD_SUM_LOCAL_PORT}:" in function and f"127.0.0.1:{PD_SUM_LOCAL_PORT}/" in function
+    function = function.replace(str(PD_SUM_LOCAL_PORT), str(_free_port()))  # the page's port may be taken here
+    script = function + """\npd_sum app=x 9190/metrics 'pd_extproc_requests_total\\{.*outcome="ok"'"""
+    env = {"PATH": f"{kubectl.parent}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "7", result.stdout
 
 
 @pytest.mark.parametrize("name", KUBERNETES_PAGES)
@@ -463,3 +557,28 @@ def test_the_compose_pages_envoy_stats_command_reads_envoys_admin_inside_the_dec
     bootstrap = (validate.REPO / "envoy" / "envoy.vllm.yaml").read_text()
     for histogram in ("time_to_first_token_ms", "decode_ms"):
         assert f"envoy_pd_{histogram}" in observe and f"name: {histogram}" in bootstrap
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_the_pull_secret_patch_is_an_optional_step_of_its_own(name: str) -> None:
+    """Only a registry that needs credentials wants the pull Secret: no overlay a page writes whole names it;
+    the blocks that add it append to an overlay already written."""
+    for block in offline_blocks(_page(name)):
+        for mode, heredoc in re.findall(r"cat (>>?) \S+kustomization\.yaml <<'?YAML'?\n(.*?)^YAML$", block, re.S | re.M):
+            assert ("regcred" in heredoc) == (mode == ">>"), heredoc
+
+
+def test_both_kubernetes_pages_troubleshoot_the_dns_egress_their_policies_admit() -> None:
+    for name in KUBERNETES_PAGES:
+        assert "`k8s-app: kube-dns`" in _section(_page(name), "troubleshoot"), name
+
+
+def test_the_compose_pages_gpu_section_cleans_up_and_asks_for_the_model_compose_serves() -> None:
+    text = _page("compose")
+    gpu = _section(text, "real vllm on gpus")
+    assert all(line.endswith(" down --volumes") for line in _sh_lines(text) + gpu.splitlines()
+               if re.match(r"docker compose .* down\b", line)), gpu
+    served = set(re.findall(r"--model=(\$\{MODEL:-[^}]+\})", (validate.REPO / "envoy" / "docker-compose.gpu.yaml")
+                            .read_text()))
+    assert len(served) == 1
+    assert re.findall(r'\\"model\\":\\"(.*?)\\"', gpu) == list(served)
