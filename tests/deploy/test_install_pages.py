@@ -475,7 +475,8 @@ _CHANGED = {
     "PD_EXTPROC_PREFILL_ALLOW": {"PD_EXTPROC_PREFILL_ALLOW": "172.28.0.11/32:8000"},
 }
 # Settings Envoy's bootstrap reads through a derived value (Settings.message_timeout, an engine's decode_wait).
-_DERIVED = {"message_timeout": {"prefill_deadline", "envoy_message_timeout"}, "engine_options": set()}
+_DERIVED = {"message_timeout": {"prefill_deadline", "envoy_message_timeout"},
+            "engine_options": {"sglang_prefill_deadline"}}  # SGLang's decode wait; the other engines have none
 
 
 def _compose_bootstrap(**changes: str) -> str:
@@ -493,7 +494,7 @@ def _rerender_settings(text: str) -> tuple[set[str], set[str]]:
     names = lambda part: {name if name.startswith("PD_") else "PD_EXTPROC" + name  # noqa: E731
                           for name in re.findall(r"`(PD_EXTPROC_[A-Z_]+|_[A-Z_]+)\*?`", part)}
     envoy = {row.split("`")[1] for row in (validate.REPO / "docs" / "configuration.md").read_text().splitlines()
-             if row.startswith("| `PD_EXTPROC_") and row.split("|")[3].strip() == "Envoy"}
+             if row.startswith("| `PD_EXTPROC_") and "Envoy" in row.split("|")[3]}
     listed = names(needs) | envoy
     guards = {name for name in _CHANGED if name.startswith("PD_EXTPROC_GUARD_")}
     return (listed - {"PD_EXTPROC_GUARD_"} | guards) - {"PD_EXTPROC_ENVOY_BIN"}, names(rest.split("needs only")[0])
@@ -626,3 +627,29 @@ def test_the_prefill_port_agrees_between_the_own_envoy_page_and_the_engines_page
     targets = set(re.findall(r"x-prefiller-host-port: [\d.]+:(\d+)", own))
     allowed = set(re.findall(r"^PD_EXTPROC_PREFILL_ALLOW=[^:]+:(\d+)$", own, re.M))
     assert {producer, engines_allowed} | targets | allowed == {producer}, (producer, engines_allowed, targets, allowed)
+
+
+def _bootstrap_reads() -> set[str]:
+    """The Settings fields Envoy's bootstrap is rendered from, as read in its source."""
+    source = (validate.REPO / "extproc" / "envoy" / "bootstrap.py").read_text()
+    return {field for name in set(re.findall(r"settings\.([a-z_]+)", source)) for field in _DERIVED.get(name, {name})}
+
+
+def test_the_settings_tables_read_by_column_names_envoy_for_every_setting_its_bootstrap_reads() -> None:
+    """docs/configuration.md's "read by" comes from ENVOY_BOOTSTRAP_SETTINGS, which is what the bootstrap reads:
+    each of them changes the rendered bootstrap, and no other setting is read there."""
+    from deploy.render_manifests import settings_table
+    from extproc.config import ENVOY_BOOTSTRAP_SETTINGS, ENVOY_ONLY_SETTINGS, specs
+
+    assert ENVOY_BOOTSTRAP_SETTINGS == _bootstrap_reads()
+    env_by_field = {spec.name: spec.env for spec in specs()}
+    shipped = _compose_bootstrap()
+    for field in sorted(ENVOY_BOOTSTRAP_SETTINGS):
+        assert _compose_bootstrap(**_CHANGED[env_by_field[field]]) != shipped, field
+    readers = {row.split("`")[1]: row.split("|")[3].strip() for row in settings_table().splitlines()
+               if row.startswith("| `PD_EXTPROC_")}
+    for field, env in env_by_field.items():
+        expected = ("Envoy" if field in ENVOY_ONLY_SETTINGS
+                    else "server, Envoy" if field in ENVOY_BOOTSTRAP_SETTINGS else "server")
+        assert readers[env] == expected, (env, readers[env])
+    assert readers["PD_EXTPROC_PREFILL_DEADLINE"] == "server, Envoy"  # the filter's message_timeout
