@@ -342,7 +342,7 @@ def test_verify_reads_each_counter_on_every_replica_and_around_the_request(name:
         sums = _pod_sums(_section(text, word))
         assert sums, f"{name}.md, {word}: no counter summed over the pods"
         deployments = [doc for doc in _rendered(tmp_path / render) if doc["kind"] == "Deployment"]
-        for labels, port, metric in sums:
+        for labels, port, _metric in sums:
             wanted = dict(pair.split("=", 1) for pair in labels.split(","))
             selected = [doc for doc in deployments
                         if wanted.items() <= doc["spec"]["template"]["metadata"]["labels"].items()]
@@ -564,9 +564,12 @@ def test_the_compose_pages_envoy_stats_command_reads_envoys_admin_inside_the_dec
 def test_the_pull_secret_patch_is_an_optional_step_of_its_own(name: str) -> None:
     """Only a registry that needs credentials wants the pull Secret: no overlay a page writes whole names it;
     the blocks that add it append to an overlay already written."""
-    for block in offline_blocks(_page(name)):
-        for mode, heredoc in re.findall(r"cat (>>?) \S+kustomization\.yaml <<'?YAML'?\n(.*?)^YAML$", block, re.S | re.M):
-            assert ("regcred" in heredoc) == (mode == ">>"), heredoc
+    heredoc = re.compile(r"cat (>>?) \S+kustomization\.yaml\"? <<'?YAML'?\n(.*?)^YAML$", re.S | re.M)
+    heredocs = [found for block in offline_blocks(_page(name)) for found in heredoc.findall(block)]
+    assert len(heredocs) == _page(name).count("kustomization.yaml <<") + _page(name).count('kustomization.yaml" <<')
+    assert {mode for mode, _ in heredocs} == {">", ">>"}
+    for mode, overlay in heredocs:
+        assert ("regcred" in overlay) == (mode == ">>"), overlay
 
 
 def test_both_kubernetes_pages_troubleshoot_the_dns_egress_their_policies_admit() -> None:
@@ -641,7 +644,7 @@ def test_the_settings_tables_read_by_column_names_envoy_for_every_setting_its_bo
     from deploy.render_manifests import settings_table
     from extproc.config import ENVOY_BOOTSTRAP_SETTINGS, ENVOY_ONLY_SETTINGS, specs
 
-    assert ENVOY_BOOTSTRAP_SETTINGS == _bootstrap_reads()
+    assert _bootstrap_reads() == ENVOY_BOOTSTRAP_SETTINGS
     env_by_field = {spec.name: spec.env for spec in specs()}
     shipped = _compose_bootstrap()
     for field in sorted(ENVOY_BOOTSTRAP_SETTINGS):
