@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from deploy.envfile import read_env_file
-from extproc.config import ENVOY_ONLY_SETTINGS, Settings, load_settings, specs
+from extproc.config import ENVOY_BOOTSTRAP_SETTINGS, ENVOY_ONLY_SETTINGS, Settings, load_settings, specs
 from extproc.envoy.bootstrap import render_yaml
 from extproc.envoy.guard import guard_filter, lua_source
 from extproc.envoy.parts import GATEWAY_STATUS_ON_ERROR, gateway_local_reply_mappers
@@ -244,7 +244,8 @@ def settings_table() -> str:
     rows = ["| variable | default | read by | what |", "|---|---|---|---|"]
     for spec in specs():
         default = spec.show(defaults.value(spec.name))
-        reader = "Envoy" if spec.name in ENVOY_ONLY_SETTINGS else "server"
+        reader = ("Envoy" if spec.name in ENVOY_ONLY_SETTINGS
+                  else "server, Envoy" if spec.name in ENVOY_BOOTSTRAP_SETTINGS else "server")
         what = spec.help.replace("|", "\\|")
         rows.append(f"| `{spec.env}` | {f'`{default}`' if default else 'empty'} | {reader} | {what} |")
     return "\n".join(rows)

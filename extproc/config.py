@@ -238,6 +238,14 @@ def _spec_by_env() -> Mapping[str, SettingSpec]:
 # Settings only Envoy's bootstrap (envoy/bootstrap.py) or `up` use: `serve` has no flags for them.
 ENVOY_ONLY_SETTINGS = frozenset({"listen", "envoy_admin", "envoy_stats_listen", "envoy_bin", "envoy_message_timeout",
                                  "client_body_timeout", "decode_idle_timeout", "trusted_sources"})
+# Settings Envoy's sidecar bootstrap (envoy/bootstrap.py) is rendered from, directly or through a derived value
+# (message_timeout, an engine's decode wait): a change needs the bootstrap rendered again. Those not in
+# ENVOY_ONLY_SETTINGS are read by the server too ("server, Envoy" in docs/configuration.md).
+ENVOY_BOOTSTRAP_SETTINGS = frozenset({
+    "adapter", "grpc_listen", "listen", "decode", "envoy_admin", "envoy_stats_listen", "max_request_bytes",
+    "prefill_deadline", "envoy_message_timeout", "client_body_timeout", "decode_idle_timeout", "max_inflight",
+    "workers", "trusted_sources", "trust_client_steering", "guard_allow_compressed_bodies",
+    "guard_allow_form_json_fields", "sglang_prefill_deadline"})
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: Sequence[str] | None = None) -> None:

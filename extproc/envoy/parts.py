@@ -318,13 +318,15 @@ _SIDECAR_NOTE = """\
 # pd-extproc drop-in parts (sidecar mode), rendered from PD_EXTPROC_* settings. Add them to your Envoy:
 #   http_filters:        in this order, before your router filter, in the connection manager that serves the
 #                        decode worker (the guard checks every route's bodies but the pd route's)
-#   routes:              before your own routes in that virtual host (set route.cluster to your decode cluster)
+#   routes:              before your own routes in that virtual host (they send to the --decode-cluster cluster)
 #   virtual_host_additions: merged into that virtual host: every route of it gets them
 #   clusters:            as is (the ext_proc gRPC service)
 #   local_reply_mappers: first in your connection manager's local_reply_config.mappers; each matches only
 #                        on route "pd", so your other routes' errors are untouched
 #   access_log:          appended to that connection manager's access_log (the P/D timing histograms)
 #   stats_config:        merged into your bootstrap's stats_config (the histograms' buckets)
+#                        and stats_flush_interval: 1s at your bootstrap's top level (Envoy's default, 5s, shows
+#                        the histograms empty for up to 5s after a request)
 #   early_header_mutation_extensions: in that connection manager: no client's steering header reaches an engine
 # Every virtual host of that connection manager without the pd route still gets the guard; give it the
 # virtual_host_additions too. Do not change status_on_error, failure_mode_allow, message_timeout or

