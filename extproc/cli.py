@@ -217,7 +217,7 @@ def _up(args: argparse.Namespace, environ: Mapping[str, str], settings: Settings
         return EXIT_RUNTIME
     finally:
         if running is not None:
-            running.stop(grace=settings.drain_timeout, say=lambda name: _say(f"stopped {name}"))
+            running.stop(grace=settings.drain_timeout, say=lambda name: _say(f"stopped {name}"), note=_say)
 
 
 def _demo_workers(settings: Settings, workdir: Path) -> tuple[list[Any], dict[str, str]]:

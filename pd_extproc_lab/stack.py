@@ -63,12 +63,13 @@ class RunningStack:
             found.append(self.envoy.child)
         return found
 
-    def stop(self, grace: float = 0.0, say: Callable[[str], None] | None = None) -> None:
+    def stop(self, grace: float = 0.0, say: Callable[[str], None] | None = None,
+             note: Callable[[str], None] | None = None) -> None:
         """Envoy first (with ``grace``: stop accepting, let in-flight requests finish), then our server,
-        then the workers; ``say`` hears each name as it stops."""
+        then the workers; ``say`` hears each name as it stops, ``note`` the line saying Envoy drains."""
         if self.envoy is not None:
             if grace > 0 and self.envoy.child.alive() and self.envoy.admin:
-                envoy_runner.drain(envoy_runner.EnvoyAdmin(self.envoy.admin), grace)
+                envoy_runner.drain(envoy_runner.EnvoyAdmin(self.envoy.admin), grace, note)
             self.envoy.child.stop()
             if say is not None:
                 say(self.envoy.child.name)

@@ -4,7 +4,8 @@ Envoy exits at once on SIGTERM, resetting every request in flight (a container s
 compose down``). Run under this command, the first SIGTERM or SIGINT drains Envoy's inbound listeners
 (``POST /drain_listeners?graceful&inboundonly`` on its admin endpoint), waits until no downstream
 request is active or PD_EXTPROC_DRAIN_TIMEOUT has passed, and only then stops Envoy; a second signal
-stops it at once. ARGS go to Envoy unchanged, plus ``--admin-address-path`` (how we find the admin
+stops it at once. Once the listeners drain, it writes one line to stderr (``pd-extproc envoy: draining
+Envoy: ...``). ARGS go to Envoy unchanged, plus ``--admin-address-path`` (how we find the admin
 endpoint); its stdout and stderr are ours. The binary is PD_EXTPROC_ENVOY_BIN (default ``envoy``).
 """
 
@@ -16,10 +17,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -72,15 +74,23 @@ class EnvoyAdmin:
         return total
 
 
-def drain(admin: EnvoyAdmin, grace: float) -> None:
-    """Stop taking new work and wait (at most ``grace`` seconds) for what is in flight."""
+def drain(admin: EnvoyAdmin, grace: float, say: Callable[[str], None] | None = None) -> None:
+    """Stop taking new work and wait (at most ``grace`` seconds) for what is in flight; ``say`` hears one
+    line once the listeners drain (an operator sees why the stop waits, a test that the drain began)."""
     deadline = time.monotonic() + grace
     try:
         admin.drain_listeners()
+        if say is not None:
+            say(f"draining Envoy: waiting up to {grace:g} s for the requests in flight")
         while time.monotonic() < deadline and admin.active_requests() > 0:
             time.sleep(_POLL_SECONDS)
     except OSError:
         pass  # the admin endpoint is gone: Envoy is stopping or stopped already
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"pd-extproc envoy: {line}\n")
+    sys.stderr.flush()
 
 
 def run(envoy_bin: str, envoy_args: Sequence[str], grace: float) -> int:
@@ -105,7 +115,7 @@ def run(envoy_bin: str, envoy_args: Sequence[str], grace: float) -> int:
                 process.wait(_POLL_SECONDS)
         if process.poll() is None:
             if admin_file.exists():
-                drain(EnvoyAdmin(admin_file.read_text().strip()), grace)
+                drain(EnvoyAdmin(admin_file.read_text().strip()), grace, _say)
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(_STOP_TIMEOUT)

@@ -89,6 +89,7 @@ README_STEPS: tuple[Step, ...] = (BUILD, UP, READY, PD_REQUEST, PREFILL_LEGS, PD
 # Steps the stage runs beyond README's (each service's own drain).
 STOP_SERVER = Compose(("stop", "pd-extproc"))
 START_SERVER = Compose(("start", "pd-extproc"))
+ENVOY_LOGS = Compose(("logs", "--no-color", "envoy"))
 
 
 def readme_block(steps: tuple[Step, ...] = README_STEPS) -> str:

@@ -17,6 +17,7 @@ import pytest
 
 from tests.compose.commands import (
     DOWN,
+    ENVOY_LOGS,
     PD_OUTCOMES,
     PD_REQUEST,
     PREFILL_LEGS,
@@ -35,11 +36,10 @@ pytestmark = pytest.mark.compose
 ADAPTERS = {"vllm": "vllm_nixl", "sglang": "sglang", "trtllm": "trtllm"}
 # A decode worker's own answer to a plain request: SGLang's PD decode refuses one without a bootstrap room.
 PASSTHROUGH_STATUS = {"vllm": 200, "sglang": 400, "trtllm": 200}
-# The prefill worker holds the next request: a request in flight. Held until the test releases it where
-# the test can observe the drain (the server's /readyz); for Envoy's drain, which the test cannot observe
-# from outside, for a few seconds (a slow stop makes the request finish first: the test then still passes).
+# The prefill worker holds the next request (a request in flight) until the test, having seen the drain
+# begin (the server's /readyz; Envoy's runner's line in its log), releases it.
 HELD_PREFILL = {"hold": True}
-SLOW_PREFILL = {"delay": 3}
+ENVOY_DRAINING = "pd-extproc envoy: draining Envoy"
 
 
 def decode_transfers(stack: ComposeProject) -> float:
@@ -190,11 +190,18 @@ def test_stopping_pd_extproc_lets_the_request_in_flight_finish(stack: ComposePro
 
 
 def test_stopping_envoy_drains_and_down_leaves_nothing(stack: ComposeProject) -> None:
-    """README's last two steps: `stop envoy` while a request is in flight (it finishes), then `down`:
-    no container or network of the project is left and the published ports are free again."""
-    pending = in_flight(stack, SLOW_PREFILL)
-    stopped = stack.run(STOP_ENVOY)
+    """README's last two steps: `stop envoy` while a request is in flight (held until Envoy's runner says
+    it drains; released, it finishes), then `down`: no container or network of the project is left and
+    the published ports are free again."""
+    pending = in_flight(stack, HELD_PREFILL)
+    stopping = run_in_background(stack, STOP_ENVOY)
+    poll(lambda: ENVOY_DRAINING in stack.run(ENVOY_LOGS).output, 60, "Envoy's runner says it drains")
+    assert status_of(stack, "envoy").startswith("Up"), "Envoy stopped with a request in flight"
+    assert not pending.done(), "the held request was answered before its release"
+    with stack.prefill() as prefill:
+        assert prefill.post("/_emulator/release").json() == {"released": 1}
     finished = pending.result(timeout=60)
+    stopped = stopping.result(timeout=120)
     assert finished.status_code == 200, finished.text
     assert finished.headers["x-emulator-worker"] == "decode"  # decode answered (Envoy, its window, is gone now)
     assert finished.json()["choices"][0]["message"]["content"]

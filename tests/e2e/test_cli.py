@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -47,9 +48,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _lines_until(stream: IO[str], prefix: str) -> list[str]:
+    """The lines read up to and including the first that starts with ``prefix`` (or up to the end)."""
+    lines: list[str] = []
+    while line := stream.readline():
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    return lines or [""]
+
+
 @pytest.fixture
 def demo() -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
-    process = extproc("up", "--demo", "--listen", "127.0.0.1:0")
+    # A drain that waits for a held request ends when the test releases it: the timeout is only a bound.
+    process = extproc("up", "--demo", "--listen", "127.0.0.1:0", env={"PD_EXTPROC_DRAIN_TIMEOUT": "120s"})
     assert process.stdout is not None
     lines = [process.stdout.readline() for _ in range(5)]
     yield process, lines
@@ -71,15 +83,29 @@ def test_up_demo_serves_pd_and_stops_everything_in_order_on_a_signal(
     assert f"x-prefiller-host-port: {prefill}" in lines[2] and f"{url}/v1/chat/completions" in lines[2]
     children = children_of(process.pid)
     assert len(children) == 4, "Envoy, the server and two emulated workers"
-    with httpx.Client(timeout=30) as client:
-        client.post(f"http://{prefill}/_emulator/script", json={"behaviours": [{"delay": 2}]}).raise_for_status()
-        with ThreadPoolExecutor(max_workers=1) as pool:
+    assert process.stdout is not None
+    with httpx.Client(timeout=120) as client:
+        client.post(f"http://{prefill}/_emulator/script", json={"behaviours": [{"hold": True}]}).raise_for_status()
+        with ThreadPoolExecutor(max_workers=2) as pool:
             inflight = pool.submit(client.post, f"{url}{CHAT}", headers={"x-prefiller-host-port": prefill},
                                    json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
-            waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 20})
-            assert waited.status_code == 200
+            waited = client.get(f"http://{prefill}/_emulator/wait", params={"outcome": "pending", "timeout": 60})
+            assert waited.status_code == 200, waited.text
             process.send_signal(stop_signal)
-            assert inflight.result(timeout=60).status_code == 200, "the in-flight request must finish"
+            reader = pool.submit(_lines_until, process.stdout, "draining Envoy")
+            try:
+                before_drain = reader.result(timeout=60)
+            except TimeoutError:
+                process.kill()  # ends the blocked read, so the pool can close
+                raise
+            assert before_drain[-1].startswith("draining Envoy"), before_drain
+            assert process.poll() is None and all(alive(pid) for pid in children), "stopped while draining"
+            assert not inflight.done(), "the held request was answered before its release"
+            released = client.post(f"http://{prefill}/_emulator/release")
+            assert released.json() == {"released": 1}
+            response = inflight.result(timeout=60)
+            assert response.status_code == 200, "the in-flight request must finish"
+            assert response.headers["x-emulator-worker"] == "emulated-decode"
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0
     stops = [line.split()[1] for line in output.splitlines() if line.startswith("stopped ")]
