@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.paired_ab import paired, run_in_tree
 
 FIELDS = {"request_id": "abc-1", "adapter": "vllm_nixl", "outcome": "ok", "status": 200, "prefill_ms": 0.2,
           "total_ms": 0.6}
@@ -47,19 +48,6 @@ def one_run(gap_us: float, batches: int = 6, per_batch: int = 2000) -> float:
     return best
 
 
-def _run_in(tree: Path, gap_us: float) -> float:
-    code = (f"import runpy, sys; sys.argv = ['logwriter_ab', '--one', '--gap-us', {str(gap_us)!r}]; "
-            f"runpy.run_path({__file__!r}, run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tree)},
-                         capture_output=True, text=True, check=True, cwd=tree).stdout
-    return float(out.strip())
-
-
-def _quartiles(values: list[float]) -> str:
-    low, _, high = statistics.quantiles(values, n=4)
-    return f"{low:+.1f}..{high:+.1f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.logwriter_ab", description=__doc__.split("\n", 1)[0])
     parser.add_argument("old", type=Path, nargs="?")
@@ -73,12 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.old is None or args.new is None:
         parser.error("give the two trees")
-    runs = [tuple(_run_in(tree, args.gap_us) for tree in (args.old, args.new, args.old)) for _ in range(args.runs)]
-    old, new, again = ([run[i] for run in runs] for i in range(3))
-    diff, noise = [b - a for a, b in zip(old, new, strict=True)], [c - a for a, c in zip(old, again, strict=True)]
-    print(f"writer CPU per line, {args.gap_us:g} us apart: old {statistics.median(old):.1f} µs, new "
-          f"{statistics.median(new):.1f} µs; new - old median {statistics.median(diff):+.1f} (IQR {_quartiles(diff)}), "
-          f"A/A median {statistics.median(noise):+.1f} (IQR {_quartiles(noise)}); {args.runs} runs")
+    argv = ["logwriter_ab", "--one", "--gap-us", str(args.gap_us)]
+    result = paired(lambda tree: run_in_tree(__file__, tree, argv), args.old, args.new, args.runs)
+    print(f"writer CPU per line, {args.gap_us:g} us apart: old {statistics.median(result.old):.1f} µs, new "
+          f"{statistics.median(result.new):.1f} µs; {result.summary()}")
     return 0
 
 

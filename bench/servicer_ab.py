@@ -17,13 +17,14 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+
+from bench.paired_ab import paired, run_in_tree
 
 HANDOFF = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
            "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
@@ -101,22 +102,6 @@ def one_run(kind: str, batches: int = 8, per_batch: int = 1000, log: bool = Fals
     return asyncio.run(measure())
 
 
-def _run_in(tree: Path, kind: str, log: bool, process: bool) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    # This file, run in the tree's directory: its ``extproc`` is the one imported.
-    argv = ["servicer_ab", "--one", kind] + (["--log"] if log else []) + (["--process"] if process else [])
-    code = (f"import runpy, sys; sys.argv = {argv!r}; "
-            f"runpy.run_path({__file__!r}, run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=tree).stdout
-    return float(out.strip())
-
-
-def _quartiles(values: list[float]) -> str:
-    low, _, high = statistics.quantiles(values, n=4)
-    return f"{low:+.1f}..{high:+.1f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.servicer_ab", description=__doc__.split("\n", 1)[0])
     parser.add_argument("old", type=Path, nargs="?")
@@ -133,13 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.old is None or args.new is None:
         parser.error("give the two trees")
     for kind in args.kinds:
-        runs = [tuple(_run_in(tree, kind, args.log, args.process) for tree in (args.old, args.new, args.old))
-                for _ in range(args.runs)]
-        old, new, again = ([run[i] for run in runs] for i in range(3))
-        diff, noise = [b - a for a, b in zip(old, new, strict=True)], [c - a for a, c in zip(old, again, strict=True)]
-        print(f"{kind}: old {statistics.median(old):.1f} µs, new {statistics.median(new):.1f} µs per request; "
-              f"new - old median {statistics.median(diff):+.1f} (IQR {_quartiles(diff)}), "
-              f"A/A median {statistics.median(noise):+.1f} (IQR {_quartiles(noise)}); {args.runs} runs")
+        flags = (["--log"] if args.log else []) + (["--process"] if args.process else [])
+        argv = ["servicer_ab", "--one", kind, *flags]
+        result = paired(lambda tree, argv=argv: run_in_tree(__file__, tree, argv), args.old, args.new, args.runs)
+        print(f"{kind}: old {statistics.median(result.old):.1f} µs, new {statistics.median(result.new):.1f} µs "
+              f"per request; {result.summary()}")
     return 0
 
 
