@@ -42,13 +42,11 @@ class PrefillTargets:
         self.accepted: Lru[str, WorkerAddress] = Lru(entries)
 
     def parse(self, values: Sequence[str]) -> WorkerAddress:
-        if len(values) != 1:
-            raise PdError(Code.INVALID_PREFILL_TARGET)
-        value = values[0]
-        target = self.accepted.get(value)
-        if target is None:
-            target = _parse(value)
-            self.accepted.put(value, target)
+        remembered = self.accepted.get(values[0]) if len(values) == 1 else None
+        if remembered is not None:
+            return remembered
+        target = parse_prefill_target(values)  # the one rule; it refuses anything but one value
+        self.accepted.put(values[0], target)
         return target
 
 
