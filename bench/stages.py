@@ -237,7 +237,8 @@ async def _measure(prefill_url: str, requests: int, adapter: str, stream: bool, 
                     runs.append((cpu, wall, dataclasses.replace(clock, cpu_ns=dict(clock.cpu_ns),
                                                                 wall_ns=dict(clock.wall_ns), calls=dict(clock.calls))))
         finally:
-            await server.prefill.aclose()
+            await server.prefill_client.aclose()
+            await server.decode_control.aclose()
     runs.sort(key=lambda run: run[0])
     cpu, wall, chosen = runs[len(runs) // 2]
     per = 1e3 * requests
@@ -283,13 +284,11 @@ def _server_logging() -> Iterator[None]:
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     with open(os.devnull, "w") as sink:
-        logs.configure("info")
-        handler = root.handlers[0]
-        assert isinstance(handler, logging.StreamHandler)
-        handler.setStream(sink)
+        logs.configure("info", sink)
         try:
             yield
         finally:
+            logs.stop()
             root.handlers[:], level = saved
             root.setLevel(level)
 
