@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import io
 import logging
-import queue
 import threading
 from collections.abc import Iterator
 
@@ -97,15 +96,44 @@ def test_lines_are_written_by_the_writer_thread_not_the_caller() -> None:
 
 
 def test_a_full_queue_drops_lines_and_reports_how_many() -> None:
-    lines: queue.Queue[str] = queue.Queue(2)
-    handler = logs.LineQueueHandler(lines)
+    lines = logs.LineQueue(limit=2)
     for index in range(4):
-        handler.put(f'{{"n":{index}}}')
-    assert handler.dropped == 2
-    assert [lines.get_nowait() for _ in range(2)] == ['{"n":0}', '{"n":1}']
-    handler.put('{"n":4}')
-    note, line = orjson.loads(lines.get_nowait()), lines.get_nowait()
-    assert (note["msg"], note["dropped"], line) == ("log lines dropped", 2, '{"n":4}')
+        lines.put(f'{{"n":{index}}}')
+    assert lines.dropped == 2
+    assert lines.take() == ['{"n":0}', '{"n":1}']
+    lines.put('{"n":4}')
+    note, line = lines.take()
+    assert (orjson.loads(note)["msg"], orjson.loads(note)["dropped"], line) == ("log lines dropped", 2, '{"n":4}')
+    assert lines.queued == 4  # what flush() waits for: the lines kept and the note
+
+
+def test_the_writer_is_woken_once_per_batch_not_per_line() -> None:
+    lines = logs.LineQueue()
+    lines.put("a")
+    assert lines.arrived.is_set()
+    lines.arrived.clear()
+    lines.put("b")  # the writer has not taken "a" yet: already woken, not woken again
+    assert not lines.arrived.is_set()
+    assert lines.take() == ["a", "b"]
+    lines.put("c")  # the first line after a take wakes it again
+    assert lines.arrived.is_set()
+
+
+def test_lines_queued_while_a_batch_waits_go_out_in_one_write() -> None:
+    """Lines that arrive within the batch window share one write; flush cuts the window short."""
+    sink = _RecordingStream()
+    lines = logs.LineQueue()
+    writer = logs.LineWriter(lines, sink, batch_seconds=3600)
+    writer.start()
+    try:
+        for n in range(5):
+            lines.put(f"line-{n}")
+        writer.flush()
+        assert sink.getvalue() == "".join(f"line-{n}\n" for n in range(5))
+        assert len(sink.threads) == 1  # one write
+    finally:
+        writer.stop()
+    assert not writer.is_alive()
 
 
 class _GatedStream(io.StringIO):
