@@ -180,7 +180,8 @@ async def measure(variant: Variant, size_mib: int, small_streams: int, baseline_
     finally:
         await channel.close()
         await server.grpc.stop(0)
-        await server.prefill.aclose()
+        await server.prefill_client.aclose()
+        await server.decode_control.aclose()
         await server.http.close()
         server.processor.inspector.close()
         with contextlib.suppress(Exception):
