@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from extproc._version import __version__
+from extproc.observability.series import LoopCounter, LoopHistogram
 from extproc.protocol.transport import ExchangeTimings
 
 if TYPE_CHECKING:
@@ -43,30 +44,27 @@ class RequestRecord:
 
 class Metrics:
     def __init__(self) -> None:
-        # Labelled series looked up once each (labels() takes a lock and builds a key on every call); a
-        # series still appears only once it is first used, as with labels().
-        self._outcomes: dict[tuple[str, str], Counter] = {}
-        self._histograms: dict[tuple[object, ...], Histogram] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.build_info = Gauge("pd_extproc_build_info", "The running pd-extproc release (always 1).", ["version"],
                                 registry=self.registry)
         self.build_info.labels(__version__).set(1)
-        self.requests = Counter(
+        # What every request updates once, when it ends, on the event loop: lock-free (series.py).
+        self.requests = LoopCounter(
             "pd_extproc_requests",
             "P/D requests by adapter and outcome (ok, answered_by_prefill, an error code, or cancelled).",
             ["adapter", "outcome"], registry=self.registry)
-        self.requests_by_api = Counter(
+        self.requests_by_api = LoopCounter(
             "pd_extproc_api_requests",
             "P/D requests by adapter, generation API (chat, completions, messages, responses, generate) and outcome.",
             ["adapter", "api", "outcome"], registry=self.registry)
-        self.prefill_seconds = Histogram(
+        self.prefill_seconds = LoopHistogram(
             "pd_extproc_prefill_seconds",
             "Prefill leg latency: connect (new connections only), response (until the response head), total.",
             ["adapter", "phase"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.processing_seconds = Histogram(
+        self.processing_seconds = LoopHistogram(
             "pd_extproc_processing_seconds", "Time spent in this server per P/D request, excluding the prefill leg.",
             ["adapter"], buckets=_OVERHEAD_BUCKETS, registry=self.registry)
-        self.handoff_failures = Counter(
+        self.handoff_failures = LoopCounter(
             "pd_extproc_handoff_failures", "Invalid prefill handoffs by reason (the offending field).",
             ["adapter", "reason"], registry=self.registry)
         self.background_failures = Counter(
@@ -114,42 +112,31 @@ class Metrics:
             "pd_extproc_gateway_passthroughs",
             "Gateway mode: requests that were not P/D, let through (a tagged one once its body was read).",
             registry=self.registry)
-        self.request_bytes = Histogram(
+        self.request_bytes = LoopHistogram(
             "pd_extproc_request_body_bytes", "Client request body sizes on the P/D route.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)
-        self.prefill_response_bytes = Histogram(
+        self.prefill_response_bytes = LoopHistogram(
             "pd_extproc_prefill_response_bytes", "Prefill response body sizes.", ["adapter"],
             buckets=_SIZE_BUCKETS, registry=self.registry)
 
-    def _histogram(self, metric: Histogram, *labels: str) -> Histogram:
-        key = (id(metric), *labels)
-        child = self._histograms.get(key)
-        if child is None:
-            child = self._histograms[key] = metric.labels(*labels)
-        return child
-
     def finish(self, record: RequestRecord, total_seconds: float) -> None:
-        adapter = record.adapter
-        key = (adapter, record.outcome)
-        outcome = self._outcomes.get(key)
-        if outcome is None:
-            outcome = self._outcomes[key] = self.requests.labels(*key)
-        outcome.inc()
-        self.requests_by_api.labels(adapter, record.api, record.outcome).inc()
-        if record.prefill.connect_seconds is not None:
-            self._histogram(self.prefill_seconds, adapter, "connect").observe(record.prefill.connect_seconds)
-        if record.prefill.response_seconds is not None:
-            self._histogram(self.prefill_seconds, adapter, "response").observe(record.prefill.response_seconds)
-        if record.prefill.total_seconds is not None:
-            self._histogram(self.prefill_seconds, adapter, "total").observe(record.prefill.total_seconds)
-        self._histogram(self.processing_seconds, adapter).observe(
-            max(0.0, total_seconds - (record.prefill.total_seconds or 0.0)))
+        """Count a request that ended. Only on the event loop's thread (series.py has no lock)."""
+        adapter, outcome, prefill = record.adapter, record.outcome, record.prefill
+        self.requests.inc((adapter, outcome))
+        self.requests_by_api.inc((adapter, record.api, outcome))
+        if prefill.connect_seconds is not None:
+            self.prefill_seconds.observe((adapter, "connect"), prefill.connect_seconds)
+        if prefill.response_seconds is not None:
+            self.prefill_seconds.observe((adapter, "response"), prefill.response_seconds)
+        if prefill.total_seconds is not None:
+            self.prefill_seconds.observe((adapter, "total"), prefill.total_seconds)
+        self.processing_seconds.observe((adapter,), max(0.0, total_seconds - (prefill.total_seconds or 0.0)))
         if record.handoff_problem is not None:
-            self.handoff_failures.labels(adapter, record.handoff_problem).inc()
+            self.handoff_failures.inc((adapter, record.handoff_problem))
         if record.body_bytes is not None:
-            self._histogram(self.request_bytes, adapter).observe(record.body_bytes)
-        if record.prefill.response_bytes is not None:
-            self._histogram(self.prefill_response_bytes, adapter).observe(record.prefill.response_bytes)
+            self.request_bytes.observe((adapter,), record.body_bytes)
+        if prefill.response_bytes is not None:
+            self.prefill_response_bytes.observe((adapter,), prefill.response_bytes)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -222,7 +222,7 @@ def test_a_worker_retired_while_a_scrape_is_pending_is_counted_once(monkeypatch:
 
     def page(count: int) -> str:
         metrics = Metrics()
-        metrics.requests.labels("vllm_nixl", "ok").inc(count)
+        metrics.requests.inc(("vllm_nixl", "ok"), count)
         return _page(metrics)
 
     async def run() -> None:
