@@ -145,11 +145,11 @@ def _samples(page: str) -> dict[str, float]:
 
 def test_merged_pages_sum_counters_histograms_and_gauges() -> None:
     one, two = Metrics(), Metrics()
-    one.requests.labels("vllm_nixl", "ok").inc(3)
-    two.requests.labels("vllm_nixl", "ok").inc(4)
-    two.requests.labels("vllm_nixl", "pd_overloaded").inc()  # a series only one worker has
-    one.processing_seconds.labels("vllm_nixl").observe(0.0002)
-    two.processing_seconds.labels("vllm_nixl").observe(0.02)
+    one.requests.inc(("vllm_nixl", "ok"), 3)
+    two.requests.inc(("vllm_nixl", "ok"), 4)
+    two.requests.inc(("vllm_nixl", "pd_overloaded"))  # a series only one worker has
+    one.processing_seconds.observe(("vllm_nixl",), 0.0002)
+    two.processing_seconds.observe(("vllm_nixl",), 0.02)
     one.inflight.set(2)
     two.inflight.set(5)
     two.decode_queue.set(7)  # worker 0's reading; the other worker's gauge stays NaN
@@ -186,23 +186,23 @@ def test_counters_keep_rising_when_a_worker_dies() -> None:
     """A dead worker's last scraped counts stay in the sum; what it counted after that scrape is
     absorbed by the clamp rather than exposed as a fall (which Prometheus would read as a reset)."""
     one, two = Metrics(), Metrics()
-    one.requests.labels("vllm_nixl", "ok").inc(5)
-    two.requests.labels("vllm_nixl", "ok").inc(3)
+    one.requests.inc(("vllm_nixl", "ok"), 5)
+    two.requests.inc(("vllm_nixl", "ok"), 3)
     one.inflight.set(4)
     high: dict[str, float] = {}
     key = 'pd_extproc_requests_total{adapter="vllm_nixl",outcome="ok"}'
     assert _samples(merge_pages([_page(one), _page(two)], high))[key] == 8
     last_of_two = _page(two)
-    two.requests.labels("vllm_nixl", "ok").inc(2)  # counted after its last scrape, then it dies
+    two.requests.inc(("vllm_nixl", "ok"), 2)  # counted after its last scrape, then it dies
     retired = counters_only(last_of_two)
     assert "pd_extproc_inflight_requests" not in retired and "build_info" not in retired, "counts only"
     replacement = Metrics()
     merged = _samples(merge_pages([_page(one), _page(replacement), retired], high))
     assert merged[key] == 8, "never below what was exposed"
     assert merged["pd_extproc_inflight_requests"] == 4, "gauges are the live workers' only"
-    replacement.requests.labels("vllm_nixl", "ok").inc(1)
+    replacement.requests.inc(("vllm_nixl", "ok"), 1)
     assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 9
-    one.requests.labels("vllm_nixl", "ok").inc(1)
+    one.requests.inc(("vllm_nixl", "ok"), 1)
     assert _samples(merge_pages([_page(one), _page(replacement), retired], high))[key] == 10
 
 
