@@ -1,6 +1,7 @@
-"""What every paired A/B harness in bench/ shares (bench/servicer_ab.py, bench/logwriter_ab.py): one
-measurement in a fresh process importing one checkout's ``extproc``, runs in the order A, B, A' so that
-A' - A is the harness's own noise beside B - A, and the summary of the two as medians with quartiles."""
+"""What every paired A/B harness in bench/ shares (bench/servicer_ab.py, bench/logwriter_ab.py,
+bench/metrics_ab.py): one measurement in a fresh process importing one checkout's ``extproc``, runs in
+the order A, B, A' so that A' - A is the harness's own noise beside B - A, and the summary of the two as
+medians with quartiles."""
 
 from __future__ import annotations
 

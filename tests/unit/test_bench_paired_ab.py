@@ -28,3 +28,9 @@ def test_a_measurement_runs_the_script_in_the_tree_it_names(tmp_path: Path) -> N
     """The figure comes from a fresh process whose working directory and import path are the tree."""
     (tmp_path / "where.py").write_text("import os, sys\nprint(len(os.getcwd()) + len(sys.argv))\n")
     assert run_in_tree(str(tmp_path / "where.py"), tmp_path, ["where", "a", "b"]) == len(str(tmp_path)) + 3
+
+
+def test_the_metrics_harness_measures_this_trees_finish() -> None:
+    from bench.metrics_ab import one_run
+
+    assert one_run(batches=1, per_batch=50) > 0
