@@ -77,8 +77,8 @@ def render(sweep: dict[str, Any], options: dict[str, Any], placeholder: str = ""
         *_table(["target", "measured", "verdict"], verdicts), "",
         f"Validity: during every P/D point, each worker process's CPU (utime + stime) over the point's wall time "
         f"at most {sweep['worker_busy_bound']:.0%} (a worker with that headroom could serve 5x the load "
-        "it got: the headline's margin, measured at the worker; docs/benchmarks.md says why the headline's "
-        "throughput rule cannot apply at concurrency 1 with multi-MiB bodies):", "",
+        "it got: the headline's margin, measured at the worker; docs/benchmarks.md says why the sweep judges the "
+        "workers directly):", "",
         *_table(["workers", "busiest worker", "at", "verdict"], validity), "",
         "For information, the headline's ratio (direct decode's throughput over the fastest P/D proxy's, lowest "
         "point of the sweep):", "",

@@ -13,17 +13,17 @@ round, CPU per request of every process of the proxy over its whole process tree
   the marginal cost is not positive (noise at small sizes) are left out of the fit; fewer than two left
   gives no exponent.
 
-**Validity** (are the workers the bottleneck?) is not the headline's rule here. The headline asks direct
-decode for VALIDITY_FACTOR times the fastest P/D proxy's throughput: at high concurrency that shows the
-workers' spare capacity. In the sweep (concurrency 1, bodies up to 8 MiB) direct decode's throughput is
-bounded by the load generator writing the body and the kernel copying it, and a P/D proxy by design moves
-the body several times (to prefill, to decode, Envoy to ext_proc and back): no worker, however fast, makes
-direct 5x the fastest proxy there. So the sweep measures the workers themselves: during every P/D point,
-each worker process's CPU (utime + stime from /proc, the kernel's receive copy included) over the load's
-wall time must stay at or below WORKER_BUSY_BOUND = 1 / VALIDITY_FACTOR. A worker busy b of the time could
-serve 1/b times the load it got, the same headroom the headline demands; and at concurrency 1 the proxy's
-time per request could shrink by at most b if the worker were free, so the added cost is the proxy's. The
-headline's throughput ratio is still reported, as information.
+**Validity** (are the workers the bottleneck?) is judged at the workers, not by the headline's rule. The
+headline asks direct decode for VALIDITY_FACTOR times the fastest P/D proxy's throughput: at high
+concurrency that shows the workers' spare capacity. In the sweep (concurrency 1, bodies up to 8 MiB) direct
+decode is bounded as much by the load generator writing the body and the kernel copying it as by the
+worker (in a smoke run the worker was about half busy during direct points), and each P/D point is
+compared with a separate direct point, so noise in either moves the ratio. So the sweep measures the
+workers during every P/D point itself: each worker process's CPU (utime + stime from /proc, the kernel's
+receive copy included) over the load's wall time must stay at or below WORKER_BUSY_BOUND = 1 /
+VALIDITY_FACTOR. A worker busy b of the time could serve 1/b times the load it got, the headline's
+headroom; and at concurrency 1 the proxy's time per request could shrink by at most b if the worker were
+free, so the added cost is the proxy's. The headline's throughput ratio is still reported, as information.
 """
 
 from __future__ import annotations
