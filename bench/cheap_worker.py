@@ -2,8 +2,14 @@
 
 ``python bench/cheap_worker.py --engine vllm|sglang --role prefill|decode [--engine-id ID]`` listens on
 127.0.0.1 (a free port), prints ``ready url=http://...`` and answers every generation request with
-bytes prepared at start-up: no JSON parsing, one regex scan per body, one write per response. It
-imports the standard library and uvloop only (no project module), so its cost is what it is.
+bytes prepared at start-up: no JSON parsing, one scan per body for the few members it counts, one write
+per response. It imports the standard library and uvloop only (no project module), so its cost is what it is.
+
+Its cost per byte is kept near the copy the kernel makes, so that a large body does not make the worker the
+bottleneck of the size sweep: a request's head is parsed once and its body collected as the reads that
+carry it and joined once (not re-scanned per read), and a large body is scanned by jumping from one double
+quote to the next (memchr) and matching the members only there, where a regex search would step through
+every byte of the prompt.
 
 What it still proves, per leg, on ``GET /_cheap/counters`` (``POST /_cheap/reset`` zeroes them):
 
@@ -34,13 +40,40 @@ REASON = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
 TOKENS = 16
 _CONTENT = "".join(f"tok{i} " for i in range(TOKENS))
 HANDOFF_WINDOW = 4096  # bytes either side of the consumer mark where the handoff's members are read
-_HANDOFF_MARK = re.compile(rb'"do_remote_decode"\s*:\s*true')
-_CONSUMER_MARK = re.compile(rb'"do_remote_prefill"\s*:\s*true')
+# The members counted: the boolean ones count when true, the bootstrap ones when present.
+_MARK = re.compile(rb'"(stream|do_remote_decode|do_remote_prefill|bootstrap_room|bootstrap_host)"\s*:\s*(true)?')
+_PRESENCE_MARKS = (b"bootstrap_room", b"bootstrap_host")
+QUOTE_WALK_FROM = 16 << 10  # bytes: below, one regex pass is cheaper than a Python step per quote
 _ENGINE_ID = re.compile(rb'"remote_engine_id"\s*:\s*"([^"]*)"')
 _REQUEST_ID = re.compile(rb'"remote_request_id"\s*:\s*"([^"]*)"')
-_STREAM = re.compile(rb'"stream"\s*:\s*true')
-_ROOM = re.compile(rb'"bootstrap_room"\s*:')
-_HOST = re.compile(rb'"bootstrap_host"\s*:')
+
+
+def marks(body: bytes) -> dict[bytes, int]:
+    """Each counted member found in ``body`` -> where its first counting occurrence starts.
+
+    The same matches as ``_MARK.finditer`` over the whole body: every match starts at a double quote, so a
+    large body is walked from quote to quote (``bytes.find`` of one byte is a memchr) and matched only there.
+    """
+    found: dict[bytes, int] = {}
+    if len(body) < QUOTE_WALK_FROM:
+        for match in _MARK.finditer(body):
+            _note(found, match)
+        return found
+    at = body.find(b'"')
+    while at >= 0:
+        here = _MARK.match(body, at)
+        if here is None:
+            at = body.find(b'"', at + 1)
+            continue
+        _note(found, here)
+        at = body.find(b'"', here.end())
+    return found
+
+
+def _note(found: dict[bytes, int], match: re.Match[bytes]) -> None:
+    name = match.group(1)
+    if match.group(2) is not None or name in _PRESENCE_MARKS:
+        found.setdefault(name, match.start())
 
 
 def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
@@ -125,25 +158,26 @@ class Worker:
         if not chat and path not in (b"/v1/completions", b"/generate"):
             return self._unknown(path)
         self.counters["requests"] += 1
-        stream = _STREAM.search(body) is not None
+        found = marks(body)
+        stream = b"stream" in found
         if self.engine == "vllm":
-            return self._vllm(body, chat, stream)
-        marked = _ROOM.search(body) is not None and (self.role == "prefill" or _HOST.search(body) is not None)
+            return self._vllm(body, found, chat, stream)
+        marked = b"bootstrap_room" in found and (self.role == "prefill" or b"bootstrap_host" in found)
         self.counters["producer" if self.role == "prefill" and marked else
                       "consumer" if marked else "plain"] += 1
         return self._stream[chat] if stream else self._full[chat]
 
-    def _vllm(self, body: bytes, chat: bool, stream: bool) -> bytes:
-        if self.role == "prefill" and _HANDOFF_MARK.search(body):
+    def _vllm(self, body: bytes, found: dict[bytes, int], chat: bool, stream: bool) -> bytes:
+        if self.role == "prefill" and b"do_remote_decode" in found:
             self.counters["producer"] += 1
             self._next_id += 1
             payload = self._handoff_parts[0] + b"cheap-%d" % self._next_id + self._handoff_parts[1]
             return _response(200, payload)
-        consumer = _CONSUMER_MARK.search(body) if self.role == "decode" else None
+        consumer = found.get(b"do_remote_prefill") if self.role == "decode" else None
         if consumer is not None:
             # The handoff's other members sit in the same small object: read them near the mark, not in
             # the whole body (a long prompt would make the worker pay per byte, as the proxies do).
-            near = body[max(0, consumer.start() - HANDOFF_WINDOW):consumer.end() + HANDOFF_WINDOW]
+            near = body[max(0, consumer - HANDOFF_WINDOW):consumer + HANDOFF_WINDOW]
             engine = _ENGINE_ID.search(near)
             if engine is not None and engine.group(1) == self.engine_id:
                 self.counters["consumer"] += 1
@@ -163,26 +197,71 @@ class Worker:
 
 
 class Connection(asyncio.Protocol):
-    """HTTP/1.1 keep-alive, requests with Content-Length or chunked bodies, answered in order."""
+    """HTTP/1.1 keep-alive, requests with Content-Length or chunked bodies, answered in order.
+
+    A request's head is parsed once; a Content-Length body is then collected as the reads that carry it
+    (no copy into a growing buffer, no re-scan per read) and joined once when complete.
+    """
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # bytes not yet parsed: heads, chunked bodies
         self.transport: asyncio.Transport | None = None
+        self._request_line = b""
+        self._body_parts: list[bytes] = []
+        self._body_left = 0  # > 0 while a Content-Length body is being collected
+        self._chunked_at: int | None = None  # where a chunked body starts in ``buffer`` while incomplete
+        self._chunk_scanned = 0  # where to look for its last chunk from
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
+        replies: list[bytes] = []
+        if self._body_left:
+            data = self._collect(data, replies)
+        if data:
+            self.buffer += data
+            self._parse(replies)
+        if replies and self.transport is not None:
+            self.transport.write(b"".join(replies))
+
+    def _collect(self, data: bytes, replies: list[bytes]) -> bytes:
+        """Take the current body's bytes from ``data``; what follows it (a pipelined request) is returned."""
+        take = data if len(data) <= self._body_left else data[:self._body_left]
+        self._body_parts.append(take)
+        self._body_left -= len(take)
+        if self._body_left:
+            return b""
+        parts, self._body_parts = self._body_parts, []
+        replies.append(self._answer(self._request_line, parts[0] if len(parts) == 1 else b"".join(parts)))
+        return data[len(take):] if len(take) < len(data) else b""
+
+    def _parse(self, replies: list[bytes]) -> None:
         buffer = self.buffer
-        buffer += data
-        replies = []
         while True:
+            if self._chunked_at is not None:
+                # Decode only once the last chunk may have come ("\r\n0\r\n" in the bytes not yet looked
+                # at; the head's own CRLF precedes an empty body's): not every chunk again on every read.
+                # Those bytes inside a chunk (JSON between tokens only) cost a decode per read, never a miss.
+                last = buffer.find(b"\r\n0\r\n", self._chunk_scanned)
+                if last < 0:
+                    self._chunk_scanned = max(self._chunked_at - 2, len(buffer) - 4)
+                    return
+                self._chunk_scanned = last
+                decoded = _dechunk(buffer, self._chunked_at)
+                if decoded is None:
+                    return
+                body, consumed = decoded
+                del buffer[:consumed]
+                self._chunked_at = None
+                replies.append(self._answer(self._request_line, body))
+                continue
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
-                break
+                return
             head = bytes(buffer[:end])
-            request_line, _, header_block = head.partition(b"\r\n")
+            self._request_line, _, header_block = head.partition(b"\r\n")
             lowered = header_block.lower()
             body_start = end + 4
             length = 0
@@ -191,20 +270,18 @@ class Connection(asyncio.Protocol):
                 line_end = lowered.find(b"\r\n", at)
                 length = int(lowered[at + 15:line_end if line_end >= 0 else None])
             elif b"transfer-encoding: chunked" in lowered:
-                decoded = _dechunk(buffer, body_start)
-                if decoded is None:
-                    break
-                body, consumed = decoded
-                del buffer[:consumed]
-                replies.append(self._answer(request_line, body))
+                self._chunked_at, self._chunk_scanned = body_start, body_start - 2
                 continue
-            if len(buffer) < body_start + length:
-                break
-            body = bytes(buffer[body_start:body_start + length])
-            del buffer[:body_start + length]
-            replies.append(self._answer(request_line, body))
-        if replies and self.transport is not None:
-            self.transport.write(b"".join(replies))
+            if len(buffer) >= body_start + length:
+                body = bytes(memoryview(buffer)[body_start:body_start + length])
+                del buffer[:body_start + length]
+                replies.append(self._answer(self._request_line, body))
+                continue
+            # The body's remaining bytes are collected by data_received as they come.
+            self._body_parts = [bytes(memoryview(buffer)[body_start:])]
+            self._body_left = length - len(self._body_parts[0])
+            buffer.clear()
+            return
 
     def _answer(self, request_line: bytes, body: bytes) -> bytes:
         method, _, rest = request_line.partition(b" ")

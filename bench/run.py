@@ -171,14 +171,18 @@ class Bench:
             worker.reset()
         legs_before = LegCounters.read(worker_set.prefill, worker_set.decode)
         cpu_before = {role: cpu(pid) for role, pid in system.processes.items()}
+        worker_pids = {"prefill": pid(worker_set.prefill), "decode": pid(worker_set.decode)}
+        worker_before = {role: procs.cpu_seconds(pid) for role, pid in worker_pids.items()}
         load_before = machine.LoadSnapshot.take(self.all_pids())
         started, wall_start = time.monotonic(), time.time()
         result = load()
         wall_end = time.time()
+        load_seconds = time.monotonic() - started
         time.sleep(SETTLE_SECONDS)
         wall = time.monotonic() - started
         load_after = machine.LoadSnapshot.take(self.all_pids())
         cpu_used = {role: cpu(pid) - cpu_before[role] for role, pid in system.processes.items()}
+        worker_used = {role: procs.cpu_seconds(pid) - worker_before[role] for role, pid in worker_pids.items()}
         legs = LegCounters.read(worker_set.prefill, worker_set.decode).minus(legs_before)
         handled = legs.prefill_leases_granted if system.pd else (
             legs.prefill_recomputed if system.name == "direct-prefill" else legs.decode_recomputed)
@@ -189,6 +193,9 @@ class Bench:
             "problems": verify.check_point(system, legs, result.requests, result.errors, concurrency),
             "foreign_cpu_share": load_after.foreign_share(load_before, wall),
             "wall_start": wall_start, "wall_end": wall_end,
+            # each worker process's utime+stime during the load (and the settle after it), over the load's
+            # wall time: how busy the workers were (the size sweep's validity, bench/sweep_report.py)
+            "worker_busy": {role: used / load_seconds for role, used in worker_used.items()} if load_seconds else {},
         }
 
     def measure_quietly(self, system: System, body: str, concurrency: int, load: Load,

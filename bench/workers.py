@@ -4,7 +4,7 @@ Two kinds:
   emulated  extproc's EmulatedWorker (vLLM NIXL emulator): a KV ledger (leases granted and freed,
             pulls by decode), so a point proves every handoff was really consumed; costs about as much
             per request as the proxies do, which hides part of their cost
-  cheap     bench/cheap_worker.py: canned answers, no JSON parsing, a few regex scans per body; counts
+  cheap     bench/cheap_worker.py: canned answers, no JSON parsing, one member scan per body; counts
             producer and consumer legs (and, for vLLM, that decode got the engine id prefill named), so
             the proxies are the bottleneck and the headline ratios come from it
 """

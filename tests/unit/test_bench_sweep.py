@@ -100,21 +100,46 @@ def test_noise_below_the_smallest_size_leaves_the_fit_to_the_positive_points() -
     assert sweep_report.fit_exponent([1, 4], [-3.0, 4.0]) is None
 
 
-def test_the_validity_rule_is_the_headlines() -> None:
-    valid = sweep_report.summary(_points(_linear(1000, 8000), _linear(300, 4000)))
-    assert valid["validity"] and all(c["valid"] for c in valid["validity"])
-    # At 8 MiB direct takes 1.1 ms and the proxies 1.1 ms more: direct is under 5x the fastest, so invalid.
+def test_validity_is_each_workers_busy_fraction_during_every_pd_point() -> None:
+    points = _points(_linear(1000, 8000), _linear(300, 4000))
+    for point in points:
+        point["worker_busy"] = {"prefill": 0.05, "decode": 0.1}
+    valid = sweep_report.summary(points)
+    assert valid["validity"] == [{"workers": "cheap", "busy": 0.1, "where": valid["validity"][0]["where"],
+                                  "valid": True}]
+    # One round of one point with a decode worker busy over the bound makes the set invalid, and says where.
+    late = next(p for p in points if (p["system"], p["body_bytes"], p["round"]) == ("vllm-router", 8 << 20, 1))
+    late["worker_busy"] = {"prefill": 0.05, "decode": sweep_report.WORKER_BUSY_BOUND + 0.01}
+    invalid = sweep_report.summary(points)["validity"][0]
+    assert not invalid["valid"] and invalid["where"] == f"{late['body']} vllm-router round 1: decode worker"
+
+
+def test_a_busy_worker_outside_the_pd_points_does_not_count_and_unmeasured_is_invalid() -> None:
+    points = _points(_linear(1000, 8000), _linear(300, 4000))
+    for point in points:
+        point["worker_busy"] = {"prefill": 0.0, "decode": 0.9 if point["system"] == "direct" else 0.1}
+    assert sweep_report.summary(points)["validity"][0]["valid"]
+    del next(p for p in points if p["system"] == "pd-extproc")["worker_busy"]
+    unmeasured = sweep_report.summary(points)["validity"][0]
+    assert not unmeasured["valid"] and unmeasured["busy"] is None
+
+
+def test_the_headlines_throughput_ratio_is_still_reported() -> None:
+    # At 8 MiB direct takes 1.1 ms and the proxies 1.1 ms more: direct is under 5x the fastest.
     slow = sweep_report.summary(_points(_linear(300, 100), _linear(300, 100)))
-    assert not slow["validity"][0]["valid"] and "8MiB" in slow["validity"][0]["where"]
+    assert slow["throughput_ratio"][0]["ratio"] < 5 and "8MiB" in slow["throughput_ratio"][0]["where"]
 
 
 def test_no_sweep_renders_nothing_and_a_sweep_renders_every_size() -> None:
     options = {"sweep_concurrency": 1, "sweep_rounds": 2, "sweep_seconds": 1}
     assert sweep_report.summary([]) == {}
     assert sweep_markdown.render({}, options) == []
-    text = "\n".join(sweep_markdown.render(sweep_report.summary(_points(_linear(1000, 8000), _linear(300, 4000))),
-                                           options, placeholder="noisy, machine shared"))
+    points = _points(_linear(1000, 8000), _linear(300, 4000))
+    for point in points:
+        point["worker_busy"] = {"prefill": 0.03, "decode": 0.07}
+    text = "\n".join(sweep_markdown.render(sweep_report.summary(points), options, placeholder="noisy, machine shared"))
     assert "noisy, machine shared" in text
+    assert "| cheap | 7% |" in text and "| valid |" in text
     for label in ("1 KiB", "16 KiB", "256 KiB", "1 MiB", "8 MiB"):
         assert f"| chat | {label} |" in text and f"| completions | {label} |" in text
 

@@ -37,6 +37,14 @@ def test_rebuild_replaces_drops_and_appends_keeping_other_bytes() -> None:
     assert out == b'{"keep": 1.0,"swap":4,"big": 123456789012345678901234567890,"new":[1]}'
 
 
+def test_rebuild_with_every_member_dropped_or_none_kept_is_an_object() -> None:
+    raw = b'{"a": 1, "b": [2]}'
+    assert jsonspan.rebuild(raw, jsonspan.members(raw), {"a": None, "b": None}) == b"{}"
+    assert jsonspan.rebuild(raw, jsonspan.members(raw), {"a": None, "b": None}, [("c", b"3")]) == b'{"c":3}'
+    out = jsonspan.rebuild(raw, jsonspan.members(raw), {})
+    assert out == b'{"a": 1,"b": [2]}' and type(out) is bytes
+
+
 def test_an_escaped_key_cannot_hide_from_an_edit() -> None:
     raw = b'{"str\\u0065am": true}'
     out = jsonspan.rebuild(raw, jsonspan.members(raw), {"stream": b"false"})
