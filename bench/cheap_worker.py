@@ -39,6 +39,7 @@ import time
 REASON = {200: b"OK", 404: b"Not Found", 400: b"Bad Request"}
 TOKENS = 16
 _CONTENT = "".join(f"tok{i} " for i in range(TOKENS))
+DEFAULT_ENGINE_ID = "cheap-prefill-engine"  # the vllm prefill engine id both roles use unless told
 HANDOFF_WINDOW = 4096  # bytes either side of the consumer mark where the handoff's members are read
 # The members counted: the boolean ones count when true, the bootstrap ones when present.
 _MARK = re.compile(rb'"(stream|do_remote_decode|do_remote_prefill|bootstrap_room|bootstrap_host)"\s*:\s*(true)?')
@@ -116,6 +117,15 @@ def _sse(model: str, chat: bool) -> bytes:
     return b"".join(frames)
 
 
+def vllm_handoff(engine_id: str, request_id: str) -> dict[str, object]:
+    """The kv_transfer_params a vllm prefill worker answers with (vLLM 0.32's NixlConnector shape)."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
+        "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": "127.0.0.1",
+        "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 150,
+        "remote_blocks_expiry_time": None, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0}
+
+
 class Worker:
     def __init__(self, engine: str, role: str, engine_id: str, bootstrap_port: int, model: str = "cheap") -> None:
         self.engine, self.role, self.engine_id = engine, role, engine_id.encode()
@@ -126,11 +136,7 @@ class Worker:
         self._full = {chat: _response(200, json.dumps(_completion(model, chat)).encode()) for chat in (True, False)}
         self._stream = {chat: _chunked_stream(_sse(model, chat)) for chat in (True, False)}
         handoff_completion = _completion(model, True)
-        handoff_completion["kv_transfer_params"] = {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],
-            "remote_engine_id": engine_id, "remote_request_id": "@ID@", "remote_host": "127.0.0.1",
-            "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 150,
-            "remote_blocks_expiry_time": None, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0}
+        handoff_completion["kv_transfer_params"] = vllm_handoff(engine_id, "@ID@")
         self._handoff_parts = json.dumps(handoff_completion).encode().split(b"@ID@")
         self._info = {
             "model_path": model, "served_model_name": model, "tp_size": 1, "dp_size": 1,
@@ -323,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
-    parser.add_argument("--engine-id", default="cheap-prefill-engine",
+    parser.add_argument("--engine-id", default=DEFAULT_ENGINE_ID,
                         help="vllm: the prefill engine id (prefill names it, decode expects it)")
     parser.add_argument("--bootstrap-port", type=int, default=8998, help="sglang: what /server_info reports")
     parser.add_argument("--port", type=int, default=0)

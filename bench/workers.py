@@ -21,6 +21,7 @@ from typing import Protocol
 
 import orjson
 
+from bench.cheap_worker import DEFAULT_ENGINE_ID
 from extproc import ready
 from pd_extproc_lab.emulator.worker import EmulatedWorker, WorkerSpec
 from pd_extproc_lab.process import Child
@@ -31,7 +32,7 @@ RECOMPUTED = "emulator_recomputed_prompts_total"
 LEASES_GRANTED = "emulator_kv_leases_granted_total"
 LEASES_FREED = "emulator_kv_leases_freed_total"
 CHEAP_WORKER = Path(__file__).resolve().parent / "cheap_worker.py"
-CHEAP_ENGINE_ID = "cheap-prefill-engine"
+CHEAP_ENGINE_ID = DEFAULT_ENGINE_ID
 
 
 class Worker(Protocol):
