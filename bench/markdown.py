@@ -13,8 +13,8 @@ from bench.report import KIB, MIB
 NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
-SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc",
-                "pd-extproc-x2", "vllm-router", "smg")
+SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "floor-cxx", "floor-aio", "floor-aio-shape",
+                "floor-aio-delay", "floor-aio-burn", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
@@ -48,6 +48,14 @@ SYSTEM_DESCRIPTIONS = {
                  "the same body back with its content-length -> decode (the design's floor; cheap workers only)",
     "floor-aio": "the same with a grpc.aio servicer that does nothing (bench/floor/aio.py: our grpcio, uvloop, "
                  "server options and Unix socket): our transport's floor",
+    "floor-aio-shape": "floor-aio answering the body with our exact reply to a successful vllm_nixl request: "
+                       "content-length, our five remove_headers, the body with a cheap prefill worker's "
+                       "kv_transfer_params spliced in (bench/floor/replies.py; decode counts a consumer leg; "
+                       "non-stream c=64 only)",
+    "floor-aio-delay": "floor-aio holding each body before answering it (`asyncio.sleep`, no CPU; "
+                       "bench/floor/aio.py DELAY_MS, about our server's hold at c=1; non-stream c=64 only)",
+    "floor-aio-burn": "floor-aio spinning CPU on its event loop before answering each body (bench/floor/aio.py "
+                      "BURN_US, our own work per P/D request; non-stream c=64 only)",
     "vllm-router": "client -> vllm-router 0.1.17 `--vllm-pd-disaggregation` -> prefill, then decode (pulls KV)",
     "smg": "client -> smg 1.13 (Shepherd Model Gateway, which replaced sglang-router) `launch --pd-disaggregation "
            "--log-level warn` -> prefill and decode at once, with bootstrap fields (cheap-sglang workers only)",
@@ -170,7 +178,7 @@ def validity(summary: dict[str, Any]) -> list[str]:
 
 def targets(summary: dict[str, Any]) -> list[str]:
     rows = [[v["target"], v["measured"], "met" if v["met"] else "**missed**", v["by"]] for v in summary["verdicts"]]
-    return ["## Targets (issue 28, item 3: the first four rows; then issue 17's)", "",
+    return ["## Targets (issue 36's Envoy share first; then issue 28's item 3, four rows; then issue 17's)", "",
             *_table(["target", "measured", "verdict", "margin"], rows), ""]
 
 
@@ -198,6 +206,28 @@ def floors(summary: dict[str, Any]) -> list[str]:
                      "floor-cxx server", "total", "floor-cxx total", "total / floor-cxx", "vllm-router",
                      "total / vllm-router", "req/s / floor-cxx", "req/s / vllm-router", "added p50 ms",
                      "floor-aio added p50", "floor-cxx added p50"], rows), ""]
+
+
+def envoy_share(summary: dict[str, Any]) -> list[str]:
+    """floor-aio, its variants and ours at c=64, non-stream, cheap workers: what moves Envoy's CPU."""
+    found = summary.get("envoy_share") or []
+    if not found:
+        return []
+    rows = [[f"`{r['system']}`" + (" †" if r["noisy"] > NOISY else ""), _number(r["envoy_us"]),
+             _signed(r["envoy_over_floor_us"]), _number(r["server_us"]), f"{r['rps']:.0f}",
+             "; ".join(r["problems"]) or "ok"] for r in found]
+    return ["## What makes Envoy work harder (c=64, non-stream, cheap workers)", "",
+            "The same Envoy bootstrap (route pd, ext_proc on) in front of floor-aio, three variants of it and our "
+            "server, in the same interleaved rounds. `floor-aio-shape` sends our messages and nothing else of ours; "
+            "`floor-aio-delay` holds each request without CPU; `floor-aio-burn` spends our own work's CPU without the "
+            "hold. Whichever variant's Envoy moves towards ours is what makes Envoy work harder. CPU µs per request "
+            "(utime+stime over the requests the workers counted); \"Envoy - floor-aio's\" is this row's Envoy "
+            "minus floor-aio's Envoy; checks are the workers' counters for every round. " + NOISE_NOTE, "",
+            *_table(["system", "Envoy CPU µs", "Envoy - floor-aio's", "server CPU µs", "req/s", "checks"], rows), ""]
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0f}"
 
 
 def latency_tables(summary: dict[str, Any], options: dict[str, Any]) -> list[str]:
@@ -239,7 +269,7 @@ def set_tables(summary: dict[str, Any], workers: str, levels: Sequence[int]) -> 
     lines += [f"### Proxy CPU time per request (µs, utime+stime / requests handled), {workers}", "",
               "`pd-extproc` is our server process alone (the issue's \"our server's CPU time per request\"); "
               "`envoy` is the Envoy in front of it.", ""]
-    proxies = ("envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
+    proxies = [s for s in SYSTEM_ORDER if s not in ("direct", "direct-prefill")]
     for body in ("non-stream", "stream"):
         lines += [f"**{body}**", "", *_table(columns, _by_concurrency(cells, body, levels, _cpu, proxies)), ""]
     return lines
@@ -470,7 +500,8 @@ def soak(report: Path = SOAK_REPORT) -> list[str]:
 
 
 def render(results: dict[str, Any], summary: dict[str, Any], command: str) -> str:
-    lines = [*header(results, command), *validity(summary), *targets(summary), *floors(summary),
+    lines = [*header(results, command), *validity(summary), *targets(summary), *envoy_share(summary),
+             *floors(summary),
              *latency_tables(summary, results["options"]), *breakdown(results), *scaling(summary),
              *large_body(summary), *beside_large(results), *loop_stall_section(results),
              *sweep_markdown.render(summary.get("size_sweep") or {}, results["options"]),

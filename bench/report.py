@@ -27,7 +27,11 @@ TARGET_OWN_WORK_US = 250.0  # our server's CPU above the grpc.aio floor's, per P
 TARGET_OVER_AIO_FLOOR = 1.6  # our server's CPU per P/D request / the grpc.aio floor's, at c=64 (issue 28)
 TARGET_ADDED_P50_MS = 1.5  # P/D added p50 at c=1 (issue 28)
 TARGET_THROUGHPUT_VS_ROUTER = 0.4  # P/D throughput at c=64 / vllm-router's (issue 28)
+TARGET_ENVOY_OVER_FLOOR_US = 30.0  # Envoy's CPU per P/D request above floor-aio's Envoy, at c=64 (issue 36)
 FLOOR_AIO, FLOOR_CXX = "floor-aio", "floor-cxx"
+# Envoy's share A/B: floor-aio, its variants (bench/floor/aio.py) and ours, behind the same Envoy bootstrap.
+ENVOY_SHARE_SYSTEMS = (FLOOR_AIO, "floor-aio-shape", "floor-aio-delay", "floor-aio-burn", "pd-extproc")
+ENVOY_SHARE_POINT = ("non-stream", 64)
 VALIDITY_FACTOR = 5.0
 PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
 HEADLINE = "cheap"
@@ -209,6 +213,38 @@ def floors(table: list[Cell], workers: str = HEADLINE) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["body"], r["concurrency"]))
 
 
+def envoy_share(table: list[Cell], workers: str = HEADLINE) -> list[dict[str, Any]]:
+    """Per ENVOY_SHARE_SYSTEMS system at ENVOY_SHARE_POINT: the CPU per request of its Envoy and of its server,
+    its throughput, and its Envoy's CPU minus floor-aio's Envoy's (None without a floor-aio cell)."""
+    body, concurrency = ENVOY_SHARE_POINT
+    floor = find(table, FLOOR_AIO, body, concurrency, workers)
+    floor_envoy = floor.cpu_us_per_request.get("envoy") if floor is not None else None
+    rows = []
+    for name in ENVOY_SHARE_SYSTEMS:
+        cell = find(table, name, body, concurrency, workers)
+        if cell is None:
+            continue
+        envoy = cell.cpu_us_per_request.get("envoy", float("nan"))
+        rows.append({"system": name, "envoy_us": envoy, "server_us": _server_cpu(cell), "rps": cell.rps,
+                     "envoy_over_floor_us": None if floor_envoy is None else envoy - floor_envoy,
+                     "problems": cell.problems, "noisy": cell.worst_foreign_cpu_share})
+    return rows
+
+
+def target_envoy_share(table: list[Cell]) -> Verdict | None:
+    """Envoy's CPU per P/D request in front of our server within TARGET_ENVOY_OVER_FLOOR_US of floor-aio's."""
+    rows = {row["system"]: row for row in envoy_share(table)}
+    ours, floor = rows.get("pd-extproc"), rows.get(FLOOR_AIO)
+    if ours is None or floor is None:
+        return None
+    over = ours["envoy_over_floor_us"]
+    met = over <= TARGET_ENVOY_OVER_FLOOR_US
+    return Verdict(
+        f"Envoy's CPU per P/D request within {TARGET_ENVOY_OVER_FLOOR_US:.0f} µs of floor-aio's (c=64)",
+        f"pd-extproc's Envoy {ours['envoy_us']:.0f} µs - floor-aio's Envoy {floor['envoy_us']:.0f} µs = {over:+.0f} µs",
+        met, "met" if met else f"{over - TARGET_ENVOY_OVER_FLOOR_US:+.0f} µs over")
+
+
 def targets_issue28(table: list[Cell]) -> list[Verdict]:
     """Issue 28's targets on the cheap vLLM set, non-streaming, ratios within this run."""
     found: list[Verdict] = []
@@ -303,8 +339,9 @@ def target_rss(inflight: list[dict[str, Any]]) -> Verdict | None:
 
 
 def verdicts(table: list[Cell], inflight: list[dict[str, Any]]) -> list[Verdict]:
-    """Issue 28's targets, then issue 17's in its order: each "first" step, then the final one."""
-    found: list[Verdict | None] = [*targets_issue28(table), target_server_cpu(table)]
+    """Issue 36's Envoy share, issue 28's targets, then issue 17's in its order: each "first" step, then the
+    final one."""
+    found: list[Verdict | None] = [target_envoy_share(table), *targets_issue28(table), target_server_cpu(table)]
     for body in ("non-stream", "stream"):
         found += [target_latency(table, body, factor=2.0), target_latency(table, body)]
     for body in ("non-stream", "stream"):
@@ -326,5 +363,6 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "profile_run": [asdict(c) for c in cells(results["points"], "profile")],
         "verdicts": [asdict(v) for v in verdicts(latency, results["inflight"])],
         "floors": floors(latency),
+        "envoy_share": envoy_share(latency),
         "validity": validity(latency),
     }

@@ -52,7 +52,8 @@ from bench import (
     wrk,
 )
 from bench.envoy_plain import CEILING_PATH
-from bench.systems import HEADLINE, Fleet, System, WorkerSet
+from bench.report import ENVOY_SHARE_POINT
+from bench.systems import ENVOY_SHARE_VARIANTS, HEADLINE, Fleet, System, WorkerSet
 from bench.workers import LegCounters, pid
 from bench.workload import CHAT_PATH, SWEEP_KINDS, chat_body, sweep_body_name, write_bodies
 from pd_extproc_lab.emulator.worker import EmulatedWorker
@@ -60,6 +61,8 @@ from pd_extproc_lab.emulator.worker import EmulatedWorker
 LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "pd-extproc", "pd-extproc-x2",
                    "vllm-router", "smg")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
+# Envoy's share A/B (bench/floor/aio.py's variants), measured at one point of the cheap set only.
+ENVOY_SHARE_SYSTEMS = tuple(f"floor-aio-{variant}" for variant in ENVOY_SHARE_VARIANTS)
 LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
 SWEEP_SYSTEMS = ("direct", "envoy", "pd-extproc", "vllm-router")
@@ -185,7 +188,8 @@ class Bench:
         worker_used = {role: procs.cpu_seconds(pid) - worker_before[role] for role, pid in worker_pids.items()}
         legs = LegCounters.read(worker_set.prefill, worker_set.decode).minus(legs_before)
         handled = legs.prefill_leases_granted if system.pd else (
-            legs.prefill_recomputed if system.name == "direct-prefill" else legs.decode_recomputed)
+            legs.prefill_recomputed if system.name == "direct-prefill" else
+            legs.decode_transfers if system.handoff else legs.decode_recomputed)
         return {
             "system": system.name, "workers": system.workers, "body": body, "concurrency": concurrency,
             **dataclasses.asdict(result), "rps": result.rps,
@@ -269,7 +273,7 @@ class Bench:
             for set_name in self.fleet.sets:
                 for concurrency in self.levels(set_name):
                     for body in self.options.modes:
-                        names = LATENCY_SYSTEMS + (REFERENCE_SYSTEMS if body == "non-stream" else ())
+                        names = latency_systems(body, concurrency)
                         for system in _rotated(self._systems(set_name, names), round_index):
                             load = self.wrk_load(system, body, concurrency, self.options.seconds)
                             point = self.measure_quietly(system, body, concurrency, load)
@@ -388,6 +392,12 @@ def attach_server_timings(run: Run, fleet: Fleet) -> None:
         for point in run.points:
             if point["system"] == "pd-extproc" and point.get("workers") == name:
                 point["server"] = serverlog.timings(requests, point["wall_start"], point["wall_end"])
+
+
+def latency_systems(body: str, concurrency: int) -> tuple[str, ...]:
+    """The systems of a latency point (those a worker set does not run are skipped by the caller)."""
+    return (LATENCY_SYSTEMS + (REFERENCE_SYSTEMS if body == "non-stream" else ())
+            + (ENVOY_SHARE_SYSTEMS if (body, concurrency) == ENVOY_SHARE_POINT else ()))
 
 
 def _with_one_large_request(small: Load, system: System, body: bytes, delay: float

@@ -18,6 +18,10 @@ and the systems of a set:
   floor-aio         our Envoy bootstrap (route pd) + a grpc.aio ext_proc servicer that does nothing: our
                     transport's floor (bench/floor; cheap set only)
   floor-cxx         the same with a compiled do-nothing ext_proc server (grpc++): the design's floor
+  floor-aio-shape   floor-aio answering the body with our exact reply to a successful vllm_nixl request
+                    (the handoff spliced in, decode counts a consumer leg): Envoy's share A/B, cheap set only,
+                    measured at ENVOY_SHARE_POINT (bench/run.py); floor-aio-delay holds each body
+                    DELAY_MS, floor-aio-burn spins BURN_US of CPU before answering (bench/floor/aio.py)
   vllm-router       vllm-router 0.1.17 in --vllm-pd-disaggregation mode
   smg               smg 1.13 (Shepherd Model Gateway, sglang-router's successor) ``launch
                     --pd-disaggregation`` (cheap-sglang only)
@@ -52,6 +56,7 @@ SMG_VERSION = "1.13.0"
 SGLANG_BOOTSTRAP_PORT = 8998  # what smg and our sglang adapter put in bootstrap_port
 FLOOR_CXX = REPO / ".cache" / "bench-floor" / "ext_proc_floor"  # python -m bench.floor.build (make bench)
 HEADLINE = "cheap"
+ENVOY_SHARE_VARIANTS = ("shape", "delay", "burn")  # floor-aio-<variant>: bench/floor/aio.py --variant
 WORKER_SETS = ("cheap", "cheap-sglang", "emulated")
 
 
@@ -65,6 +70,7 @@ class System:
     pd: bool = False  # runs a prefill leg and hands KV to decode
     processes: Mapping[str, int] = field(default_factory=dict)  # proxy processes to account: role -> pid
     workers: str = HEADLINE  # the worker set it runs on
+    handoff: bool = False  # decode gets a handoff without a prefill leg (floor-aio-shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,10 @@ class Fleet:
         if name == HEADLINE:
             self._start_two_servers(worker_set)
             self._start_floor(worker_set, "floor-aio", [sys.executable, "-m", "bench.floor.aio"])
+            for variant in ENVOY_SHARE_VARIANTS:
+                self._start_floor(worker_set, f"floor-aio-{variant}",
+                                  [sys.executable, "-m", "bench.floor.aio", "--variant", variant],
+                                  handoff=variant == "shape")
             self._start_floor(worker_set, "floor-cxx", [self.tools.floor_cxx])
         if worker_set.engine == "vllm":
             self._start_router(worker_set, "vllm-router", [
@@ -253,7 +263,7 @@ class Fleet:
                        "envoy": stack.envoy.child.process.pid},
             workers=worker_set.name)
 
-    def _start_floor(self, worker_set: WorkerSet, name: str, argv: list[str]) -> None:
+    def _start_floor(self, worker_set: WorkerSet, name: str, argv: list[str], handoff: bool = False) -> None:
         """A floor server (bench/floor) on its own Unix socket behind our Envoy bootstrap, the pd stack's
         settings: the request carries x-prefiller-host-port, so route pd runs ext_proc as for ours."""
         assert worker_set.pd is not None
@@ -273,7 +283,8 @@ class Fleet:
         url = self._launch_envoy(envoy_name, render_yaml(settings))
         worker_set.systems[name] = System(
             name, url, headers={PREFILL_TARGET_HEADER: worker_set.prefill.address},
-            processes={name: child.process.pid, "envoy": self._envoy_pid(envoy_name)}, workers=worker_set.name)
+            processes={name: child.process.pid, "envoy": self._envoy_pid(envoy_name)}, workers=worker_set.name,
+            handoff=handoff)
 
     def _start_router(self, worker_set: WorkerSet, name: str, argv: list[str], attempts: int = 3) -> None:
         """The routers cannot bind port 0 and report it: pick free ports, retry if one was taken meanwhile."""

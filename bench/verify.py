@@ -27,6 +27,11 @@ def check_point(system: System, legs: LegCounters, completed: int, errors: int, 
     problems = [] if errors == 0 else [f"{errors} failed requests"]
     if system.pd:
         problems += _check_pd(legs, completed, concurrency)
+    elif system.handoff:
+        problems += _expect(completed <= legs.decode_transfers <= completed + concurrency,
+                            f"{legs.decode_transfers:.0f} consumer legs at decode for {completed} completed requests")
+        problems += _expect(legs.decode_recomputed == 0, f"{legs.decode_recomputed:.0f} decode requests had no handoff")
+        problems += _expect(legs.prefill_leases_granted == 0 and legs.prefill_recomputed == 0, "prefill was called")
     elif system.name == "direct-prefill":
         problems += _expect(legs.prefill_recomputed >= completed, "prefill saw fewer requests than completed")
         problems += _expect(legs.decode_transfers == 0 and legs.decode_recomputed == 0, "decode was called")
@@ -126,6 +131,8 @@ def _inspect_cheap(system: System, status: int, prefill: CheapWorker, decode: Ch
         expected_prefill = 1 if system.name == "direct-prefill" else 0
         problems += _expect(p["requests"] == expected_prefill and d["requests"] == 1 - expected_prefill,
                             "unexpected legs")
+        if system.handoff:
+            problems += _expect(d["consumer"] == 1, f"decode {d}: expected one consumer leg (the spliced handoff)")
     inspection.problems = problems
     return inspection
 
