@@ -7,4 +7,7 @@
 
 Both answer the headers message with a continue and the body message with the same body as a body
 mutation with its content-length set, so Envoy sends and receives the messages it does for a P/D request.
+
+floor-aio's variants (``--variant shape|delay|burn``, bench/floor/aio.py) price Envoy's share: our exact body
+reply (replies.py), a held body, our own work's CPU spun on the loop.
 """
