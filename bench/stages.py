@@ -128,13 +128,18 @@ def _patched(clock: StageClock, targets: list[tuple[object, str, str]]) -> Itera
         for owner, attribute, stage in targets:
             if not hasattr(owner, attribute):  # an older or newer layout of the code: not that stage's
                 continue
-            original = inspect.getattr_static(owner, attribute)
-            saved.append((owner, attribute, original))
+            # An instance's method (a logger's info) lives on its class: restored by removing the wrapper,
+            # never by setting the class's plain function on the instance.
+            own = not isinstance(owner, type) and not inspect.ismodule(owner) and attribute not in vars(owner)
+            saved.append((owner, attribute, None if own else inspect.getattr_static(owner, attribute)))
             setattr(owner, attribute, _timed(clock, stage, getattr(owner, attribute)))
         yield
     finally:
         for owner, attribute, original in reversed(saved):
-            setattr(owner, attribute, original)
+            if original is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
 
 
 def _stage_targets(server: Any) -> list[tuple[object, str, str]]:

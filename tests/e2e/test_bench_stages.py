@@ -10,6 +10,7 @@ import pytest
 
 from bench import stages
 from bench.workers import CheapWorker
+from extproc.pipeline import processor
 
 
 @pytest.fixture
@@ -32,3 +33,6 @@ def test_the_stage_budget_times_real_pd_requests(prefill: CheapWorker, monkeypat
                   "metrics"):
         assert result.calls[stage] > 0, stage
     assert result.total_cpu_us > 0
+    # Every timed function is itself again afterwards: the processor's logger logs as before.
+    assert "info" not in vars(processor.log)
+    processor.log.info("after the stage budget")
