@@ -2,7 +2,9 @@
 
 Cells are per worker set (bench/systems.py); the targets are judged on the cheap set, where the workers
 are not the bottleneck, and a run is valid only if there direct decode reached at least
-VALIDITY_FACTOR times the throughput of the fastest P/D proxy at every (mode, concurrency).
+VALIDITY_FACTOR times the throughput of the fastest P/D proxy at every (mode, concurrency), or, at a point
+where it did not (concurrency 1: the load generator's round trip bounds direct decode), no worker process
+was more than WORKER_BUSY_BOUND busy during any P/D proxy's run there.
 
 Added latency is paired by round: in round r, system S at (mode, concurrency) minus direct decode at
 the same (mode, concurrency) in the same round, on the same workers; the table shows the median over
@@ -14,7 +16,7 @@ of a run count too).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -34,6 +36,9 @@ ENVOY_SHARE_SYSTEMS = (FLOOR_AIO, "floor-aio-shape", "floor-aio-delay", "floor-a
 ENVOY_SHARE_POINT = ("non-stream", 64)
 VALIDITY_FACTOR = 5.0
 PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
+# A worker process busier than this (its CPU over the load's wall time) during a P/D point could not have
+# served VALIDITY_FACTOR times the load it got: the same margin, measured at the worker.
+WORKER_BUSY_BOUND = 1 / VALIDITY_FACTOR
 HEADLINE = "cheap"
 
 
@@ -274,11 +279,17 @@ def targets_issue28(table: list[Cell]) -> list[Verdict]:
     return found
 
 
-def validity(table: list[Cell]) -> list[dict[str, Any]]:
-    """Per cheap worker set: direct decode's throughput over the fastest P/D proxy's, at every point."""
+def validity(table: list[Cell], points: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Per cheap worker set: direct decode's throughput over the fastest P/D proxy's, at every point. Where
+    that ratio is below VALIDITY_FACTOR (at concurrency 1 direct decode is bound by the load generator's
+    round trip, not by the worker), the point is judged at the workers instead: valid if, during every P/D
+    point there, no worker process was more than WORKER_BUSY_BOUND busy (``points``' ``worker_busy``: its
+    CPU over the load's wall time); a P/D point without that measurement leaves it invalid."""
     checks = []
     for workers in sorted({c.workers for c in table if c.workers.startswith("cheap")}):
         worst: tuple[float, str] | None = None
+        judged: list[str] = []  # points under the ratio, judged at the workers
+        valid = True
         for direct in (c for c in table if c.workers == workers and c.system == "direct"):
             proxies = [c for c in table if c.workers == workers and c.system in PD_SYSTEMS
                        and (c.body, c.concurrency) == (direct.body, direct.concurrency)]
@@ -290,10 +301,36 @@ def validity(table: list[Cell]) -> list[dict[str, Any]]:
                      f"{fastest.system} {fastest.rps:.0f}")
             if worst is None or ratio < worst[0]:
                 worst = (ratio, where)
+            if ratio >= VALIDITY_FACTOR:
+                continue
+            busy = busiest_worker(points, workers, direct.body, direct.concurrency)
+            if busy is None:
+                valid = False
+                judged.append(f"{direct.body} c={direct.concurrency}: workers' CPU not measured")
+                continue
+            valid = valid and busy[0] <= WORKER_BUSY_BOUND
+            judged.append(f"{direct.body} c={direct.concurrency}: {busy[0]:.0%} ({busy[1]})")
         if worst is not None:
-            checks.append({"workers": workers, "ratio": worst[0], "where": worst[1],
-                           "valid": worst[0] >= VALIDITY_FACTOR})
+            checks.append({"workers": workers, "ratio": worst[0], "where": worst[1], "judged_at_workers": judged,
+                           "valid": valid})
     return checks
+
+
+def busiest_worker(points: Sequence[dict[str, Any]], workers: str, body: str,
+                   concurrency: int) -> tuple[float, str] | None:
+    """The busiest worker process during the latency points of the P/D proxies at one (body, concurrency)
+    of a worker set, and where; None if any of those points lacks the measurement."""
+    busiest: tuple[float, str] | None = None
+    chosen = [p for p in points if p.get("phase") == "latency" and p.get("workers") == workers
+              and p.get("system") in PD_SYSTEMS and p.get("body") == body and p.get("concurrency") == concurrency]
+    for point in chosen:
+        busy = point.get("worker_busy") or {}
+        if not busy:
+            return None
+        role = max(busy, key=busy.__getitem__)
+        if busiest is None or busy[role] > busiest[0]:
+            busiest = (busy[role], f"{point['system']} round {point['round']}: {role} worker")
+    return busiest
 
 
 def target_passthrough(table: list[Cell]) -> Verdict | None:
@@ -364,5 +401,5 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "verdicts": [asdict(v) for v in verdicts(latency, results["inflight"])],
         "floors": floors(latency),
         "envoy_share": envoy_share(latency),
-        "validity": validity(latency),
+        "validity": validity(latency, results["points"]),
     }

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.report import PD_SYSTEMS, VALIDITY_FACTOR, Cell, Verdict, cells, validity
+from bench.report import PD_SYSTEMS, WORKER_BUSY_BOUND, Cell, Verdict, cells, validity
 
 PHASE = "size-sweep"
 PEER = "vllm-router"
@@ -42,7 +42,6 @@ FIT_FROM_BYTES = 256 << 10
 TARGET_PER_BYTE_RATIO = 2.0
 SUPERLINEAR_EXPONENT = 1.3
 MIB = 1 << 20
-WORKER_BUSY_BOUND = 1 / VALIDITY_FACTOR  # a worker's CPU over wall time during any P/D point of the sweep
 
 
 @dataclass
