@@ -169,9 +169,9 @@ def validity(summary: dict[str, Any]) -> list[str]:
              "valid" if c["valid"] else "**INVALID**"] for c in checks]
     verdict = ("**This run is valid**: on every cheap worker set, at every point, direct decode reached at least 5x "
                "the throughput of the fastest P/D proxy, or, where it did not, no worker process was more than "
-               f"{WORKER_BUSY_BOUND:.0%} busy during any P/D proxy's run there (a worker at most that busy could take 5x "
-               "its load: the same margin, measured at the worker; at concurrency 1 direct decode is bound by the "
-               "load generator's round trip, not by the worker)." if valid else
+               f"{WORKER_BUSY_BOUND:.0%} busy during any P/D proxy's run there (a worker at most that busy could "
+               "take 5x its load: the same margin, measured at the worker; at concurrency 1 direct decode is "
+               "bound by the load generator's round trip, not by the worker)." if valid else
                "**This run is INVALID as a measure of the proxies**: on at least one cheap worker set, at a point "
                "where direct decode did not reach 5x the throughput of the fastest P/D proxy, a worker process "
                f"was more than {WORKER_BUSY_BOUND:.0%} busy during a P/D proxy's run (or was not measured), so the "
