@@ -11,13 +11,30 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 _KIB = 1024
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the whole process (every thread), in seconds."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+def _cpu_of(stat: str) -> float:
+    """utime + stime, in seconds, of a /proc ``stat`` line (a process's or one thread's)."""
     # The command name (field 2) may hold spaces; the fields after its closing parenthesis do not.
     fields = stat.rsplit(")", 1)[1].split()
     user_ticks, system_ticks = int(fields[11]), int(fields[12])
     return (user_ticks + system_ticks) / _CLOCK_TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of the whole process (every thread), in seconds."""
+    return _cpu_of(Path(f"/proc/{pid}/stat").read_text())
+
+
+def thread_cpu_seconds(pid: int, proc: Path = Path("/proc")) -> dict[str, float]:
+    """utime + stime of each thread of ``pid`` so far, in seconds, summed by thread name."""
+    seconds: dict[str, float] = {}
+    for task in (proc / str(pid) / "task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        seconds[name] = seconds.get(name, 0.0) + _cpu_of(stat)
+    return seconds
 
 
 def tree_cpu_seconds(pid: int) -> float:

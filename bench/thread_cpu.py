@@ -3,7 +3,7 @@
 Starts the cheap worker set and its systems (as ``make bench`` does), then for each named system (e.g.
 ``floor-aio pd-extproc floor-aio-burn``) runs wrk at concurrency 64 for 6 s (after a 2 s warm-up) with
 the non-streaming chat body, and prints the CPU per request of each of the system's processes, split by
-thread name (/proc/PID/task/*/stat: utime + stime): for a grpc.aio server the event loop's thread
+thread name (bench/procs.py ``thread_cpu_seconds``): for a grpc.aio server the event loop's thread
 (``python``) and grpc's own threads (``event_engine``); for Envoy its workers. docs/benchmarks.md reads
 one run of it.
 """
@@ -11,32 +11,16 @@ one run of it.
 from __future__ import annotations
 
 import argparse
-import collections
-import os
 import tempfile
 from pathlib import Path
 
 from bench import wrk
+from bench.procs import thread_cpu_seconds
 from bench.systems import default_tools, running_fleet
 from bench.workload import CHAT_PATH, write_bodies
 
 CONCURRENCY = 64
 SECONDS = 6
-
-
-def thread_cpu(pid: int, proc: Path = Path("/proc")) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid`` so far, summed by thread name."""
-    tick = os.sysconf("SC_CLK_TCK")
-    seconds: collections.Counter[str] = collections.Counter()
-    for task in (proc / str(pid) / "task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()  # field 3 (state) onwards: utime is 14, stime 15
-        seconds[name] += (int(fields[11]) + int(fields[12])) / tick
-    return dict(seconds)
 
 
 def per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
@@ -57,9 +41,9 @@ def main() -> None:
             script = work / f"{name}.lua"
             script.write_text(wrk.lua_script(bodies["non-stream"], system.headers))
             wrk.run(system.url + CHAT_PATH, script, CONCURRENCY, 2)
-            before = {role: thread_cpu(pid) for role, pid in system.processes.items()}
+            before = {role: thread_cpu_seconds(pid) for role, pid in system.processes.items()}
             result = wrk.run(system.url + CHAT_PATH, script, CONCURRENCY, SECONDS)
-            after = {role: thread_cpu(pid) for role, pid in system.processes.items()}
+            after = {role: thread_cpu_seconds(pid) for role, pid in system.processes.items()}
             print(f"{name}: {result.rps:.0f} req/s, {result.errors} errors")
             for role in system.processes:
                 split = per_request(before[role], after[role], result.requests)
