@@ -303,34 +303,38 @@ def validity(table: list[Cell], points: Sequence[dict[str, Any]] = ()) -> list[d
                 worst = (ratio, where)
             if ratio >= VALIDITY_FACTOR:
                 continue
-            busy = busiest_worker(points, workers, direct.body, direct.concurrency)
-            if busy is None:
+            busiest, unmeasured = busiest_worker(
+                p for p in points if p.get("phase") == "latency" and p.get("workers") == workers
+                and p.get("system") in PD_SYSTEMS and p.get("body") == direct.body
+                and p.get("concurrency") == direct.concurrency)
+            if unmeasured or busiest is None:
                 valid = False
                 judged.append(f"{direct.body} c={direct.concurrency}: workers' CPU not measured")
                 continue
-            valid = valid and busy[0] <= WORKER_BUSY_BOUND
-            judged.append(f"{direct.body} c={direct.concurrency}: {busy[0]:.0%} ({busy[1]})")
+            busy, point, role = busiest
+            valid = valid and busy <= WORKER_BUSY_BOUND
+            judged.append(f"{direct.body} c={direct.concurrency}: {busy:.0%} ({point['system']} round "
+                          f"{point['round']}: {role} worker)")
         if worst is not None:
             checks.append({"workers": workers, "ratio": worst[0], "where": worst[1], "judged_at_workers": judged,
                            "valid": valid})
     return checks
 
 
-def busiest_worker(points: Sequence[dict[str, Any]], workers: str, body: str,
-                   concurrency: int) -> tuple[float, str] | None:
-    """The busiest worker process during the latency points of the P/D proxies at one (body, concurrency)
-    of a worker set, and where; None if any of those points lacks the measurement."""
-    busiest: tuple[float, str] | None = None
-    chosen = [p for p in points if p.get("phase") == "latency" and p.get("workers") == workers
-              and p.get("system") in PD_SYSTEMS and p.get("body") == body and p.get("concurrency") == concurrency]
-    for point in chosen:
+def busiest_worker(points: Iterable[dict[str, Any]]) -> tuple[tuple[float, dict[str, Any], str] | None, int]:
+    """The busiest worker process during ``points`` (its busy share: CPU over the load's wall time, the point,
+    the worker's role), and how many of the points lack that measurement."""
+    busiest: tuple[float, dict[str, Any], str] | None = None
+    unmeasured = 0
+    for point in points:
         busy = point.get("worker_busy") or {}
         if not busy:
-            return None
+            unmeasured += 1
+            continue
         role = max(busy, key=busy.__getitem__)
         if busiest is None or busy[role] > busiest[0]:
-            busiest = (busy[role], f"{point['system']} round {point['round']}: {role} worker")
-    return busiest
+            busiest = (busy[role], point, role)
+    return busiest, unmeasured
 
 
 def target_passthrough(table: list[Cell]) -> Verdict | None:

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.report import PD_SYSTEMS, WORKER_BUSY_BOUND, Cell, Verdict, cells, validity
+from bench.report import PD_SYSTEMS, WORKER_BUSY_BOUND, Cell, Verdict, busiest_worker, cells, validity
 
 PHASE = "size-sweep"
 PEER = "vllm-router"
@@ -190,22 +190,15 @@ def worker_validity(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     chosen = [p for p in points if p.get("phase") == PHASE and p["system"] in PD_SYSTEMS
               and str(p.get("workers", "")).startswith("cheap")]
     for workers in sorted({p["workers"] for p in chosen}):
-        busiest: tuple[float, str] | None = None
-        unmeasured = 0
-        for point in (p for p in chosen if p["workers"] == workers):
-            busy = point.get("worker_busy") or {}
-            if not busy:
-                unmeasured += 1
-                continue
-            role = max(busy, key=busy.__getitem__)
-            if busiest is None or busy[role] > busiest[0]:
-                busiest = (busy[role], f"{point['body']} {point['system']} round {point['round']}: {role} worker")
+        busiest, unmeasured = busiest_worker(p for p in chosen if p["workers"] == workers)
         if unmeasured or busiest is None:
             checks.append({"workers": workers, "busy": None, "where": f"{unmeasured} P/D point(s) without the "
                            "workers' CPU", "valid": False})
             continue
-        checks.append({"workers": workers, "busy": busiest[0], "where": busiest[1],
-                       "valid": busiest[0] <= WORKER_BUSY_BOUND})
+        busy, point, role = busiest
+        checks.append({"workers": workers, "busy": busy,
+                       "where": f"{point['body']} {point['system']} round {point['round']}: {role} worker",
+                       "valid": busy <= WORKER_BUSY_BOUND})
     return checks
 
 
