@@ -130,8 +130,8 @@ def _patched(clock: StageClock, targets: list[tuple[object, str, str]]) -> Itera
                 continue
             # An instance's method (a logger's info) lives on its class: restored by removing the wrapper,
             # never by setting the class's plain function on the instance.
-            own = not isinstance(owner, type) and not inspect.ismodule(owner) and attribute not in vars(owner)
-            saved.append((owner, attribute, None if own else inspect.getattr_static(owner, attribute)))
+            inherited = not isinstance(owner, type) and not inspect.ismodule(owner) and attribute not in vars(owner)
+            saved.append((owner, attribute, None if inherited else inspect.getattr_static(owner, attribute)))
             setattr(owner, attribute, _timed(clock, stage, getattr(owner, attribute)))
         yield
     finally:
