@@ -159,7 +159,7 @@ def _stage_targets(server: Any) -> list[tuple[object, str, str]]:
         (adapter_type, "decide", "handoff check"),
         (envoy_messages, "continue_headers", "protobuf reply"),
         (envoy_messages, "reply", "protobuf reply"),  # the pipeline's decision into the reply below
-        (envoy_messages, "replace_body", "protobuf reply"),
+        (envoy_messages, "encode_body_reply", "protobuf reply"),
         (envoy_messages, "immediate", "protobuf reply"),
         (Metrics, "finish", "metrics"),
         (type(server.metrics.inflight), "inc", "metrics"),
@@ -187,7 +187,7 @@ def _messages(prefill: str, stream: bool) -> tuple[bytes, bytes]:
         request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
 
 
-async def _one(servicer: Any, clock: StageClock, wire: tuple[bytes, bytes]) -> list[pb.ProcessingResponse]:
+async def _one(servicer: Any, clock: StageClock, wire: tuple[bytes, bytes]) -> list[envoy_messages.Response]:
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
         for raw in wire:
             with clock.stage("protobuf parse"):
@@ -277,9 +277,9 @@ def _instrumentation_cost(samples: int = 20000) -> float:
     return best
 
 
-async def _check(replies: list[pb.ProcessingResponse]) -> None:
+async def _check(replies: list[envoy_messages.Response]) -> None:
     """The run is only meaningful if every request took the P/D path: continue, then the rewritten body."""
-    if len(replies) != 2 or not replies[1].HasField("request_body"):
+    if len(replies) != 2 or not isinstance(replies[1], envoy_messages.EncodedResponse):
         raise RuntimeError(f"not a P/D reply: {replies[-1] if replies else 'no reply'}")
 
 

@@ -66,11 +66,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def add_to(self, server: grpc.aio.Server) -> None:
         """Serve Envoy's ext_proc service on ``server`` (app.py's gRPC server) with this servicer."""
-        pb_grpc.add_ExternalProcessorServicer_to_server(self, server)
+        # The generated add_ExternalProcessorServicer_to_server, but with our serializer: a body reply
+        # arrives already encoded (messages.EncodedResponse).
+        handlers = {"Process": grpc.stream_stream_rpc_method_handler(
+            self.Process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=msg.serialize)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, handlers),))
+        server.add_registered_method_handlers(EXT_PROC_SERVICE, handlers)
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> AsyncIterator[msg.Response]:
         stream = _Stream()
         try:
             async for request in request_iterator:
@@ -84,7 +89,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if stream.background is not None and not stream.decode_answered:
                 stream.background.task.cancel()
 
-    async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[pb.ProcessingResponse, bool]:
+    async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[msg.Response, bool]:
         """The reply to one message, and whether the stream is done."""
         kind = request.WhichOneof("request")
         if EXPECTS.get(stream.phase) != kind:
@@ -103,7 +108,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         answer = await self._processor.on_decode_answer(stream.background, status)
         return (msg.continue_response_headers() if answer is None else msg.reply(answer)), False
 
-    async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[pb.ProcessingResponse, bool]:
+    async def _on_headers(self, stream: _Stream, headers: pb.HttpHeaders) -> tuple[msg.Response, bool]:
         stream.phase = Phase.DONE
         stream.head = msg.head_from_headers(headers)
         if self._passthrough is not None and not gateway.is_pd_request(stream.head, self._processor.pd_paths):
@@ -120,7 +125,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         stream.pending, stream.phase = outcome, Phase.BODY
         return msg.continue_headers(), False
 
-    async def _on_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+    async def _on_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[msg.Response, bool]:
         assert stream.head is not None and stream.pending is not None
         pending, stream.pending = stream.pending, None
         if not body.end_of_stream:  # a chunk: the mode is not BUFFERED, and we read whole bodies only
@@ -131,7 +136,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         stream.background, stream.phase = outcome.background, Phase.DECODE_ANSWER
         return msg.reply(outcome.decision), False
 
-    async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[pb.ProcessingResponse, bool]:
+    async def _on_tagged_body(self, stream: _Stream, body: pb.HttpBody) -> tuple[msg.Response, bool]:
         stream.phase = Phase.DONE
         if not body.end_of_stream:
             _log_out_of_order(Phase.INSPECT, "request_body chunk")
@@ -150,7 +155,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         stream.phase = Phase.DECODE_ANSWER  # answered with a plain continue if Envoy sends it
         return response, False
 
-    def _out_of_order(self, stream: _Stream, kind: str | None) -> pb.ProcessingResponse:
+    def _out_of_order(self, stream: _Stream, kind: str | None) -> msg.Response:
         """A message the phase does not expect: the request is refused, counted once (its record is
         finished here only if no phase finished it yet)."""
         _log_out_of_order(stream.phase, kind or "empty message")

@@ -55,7 +55,9 @@ def test_the_shape_reply_is_our_servers_reply_to_the_same_body_and_the_cheap_pre
                                                cheap_prefill_answer(b'{"kv_transfer_params":{"do_remote_decode":true}}')))
         request_head, pending = await start(r, {})
         outcome = await r.processor.on_body(request_head, pending, client)
-        return msg.reply(outcome.decision)
+        reply = msg.reply(outcome.decision)
+        assert isinstance(reply, msg.EncodedResponse)
+        return reply.message()
 
     expected = asyncio.run(ours())
     assert list(expected.request_body.response.header_mutation.remove_headers)  # the removals are compared too

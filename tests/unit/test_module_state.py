@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from extproc import adapters, config
+from extproc.envoy import messages
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "extproc"
@@ -36,6 +37,7 @@ ALLOWED = {
 CACHED = {
     ("extproc.adapters", "engines"), ("extproc.adapters", "by_engine"),
     ("extproc.config", "engine_specs"), ("extproc.config", "specs"), ("extproc.config", "_spec_by_env"),
+    ("extproc.envoy.messages", "_removals"),
 }
 MUTATORS = frozenset({
     "append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add", "discard",
@@ -172,6 +174,7 @@ def test_every_memo_is_listed_and_returns_a_read_only_value() -> None:
         with pytest.raises(TypeError):
             value["x"] = value[next(iter(value))]  # type: ignore[index]
     assert isinstance(config.specs(), tuple) and isinstance(config.engine_specs(), tuple)
+    assert isinstance(messages._removals(("x-a",)), bytes)
 
 
 def test_the_scan_sees_each_kind_of_change() -> None:

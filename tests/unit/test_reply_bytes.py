@@ -22,8 +22,10 @@ from tests.unit.test_processor import CHAT_BODY, HANDOFF, ok, rig, start
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def wire(response: pb.ProcessingResponse) -> bytes:
-    return response.SerializeToString(deterministic=True)
+def wire(response: msg.Response) -> bytes:
+    """What Envoy receives: an encoded reply's own bytes, or protobuf's (deterministic) serialisation."""
+    return msg.serialize(response) if isinstance(response, msg.EncodedResponse) \
+        else response.SerializeToString(deterministic=True)
 
 
 def set_header(options: pb.HeaderMutation, key: str, value: bytes) -> None:
@@ -84,7 +86,7 @@ def test_the_continue_replies_are_empty_headers_responses() -> None:
 @pytest.mark.parametrize("gateway", [False, True], ids=["sidecar", "gateway"])
 def test_a_pd_body_removes_the_steering_headers_then_in_gateway_mode_the_pickers(gateway: bool) -> None:
     """The order the stream loop gave it when it appended the picker's headers to the processor's reply."""
-    async def run() -> pb.ProcessingResponse:
+    async def run() -> msg.Response:
         r = rig(VllmNixlAdapter(), strip_before_decode=PICKER_HEADERS if gateway else frozenset())
         r.transport.answers.append(ok({"id": "x", "kv_transfer_params": HANDOFF}))
         request_head, pending = await start(r, CHAT_BODY)
@@ -92,5 +94,30 @@ def test_a_pd_body_removes_the_steering_headers_then_in_gateway_mode_the_pickers
         return msg.reply(outcome.decision)
 
     reply = asyncio.run(run())
-    removed = list(reply.request_body.response.header_mutation.remove_headers)
+    assert isinstance(reply, msg.EncodedResponse)
+    removed = list(reply.message().request_body.response.header_mutation.remove_headers)
     assert removed == sorted(STEERING_HEADER_NAMES) + (sorted(PICKER_HEADERS) if gateway else [])
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 300_000, (1 << 20) + 7, 3 << 21])
+@pytest.mark.parametrize("metadata", [None, {"fallback": "aggregated; reason=prefill_upstream_timeout"}])
+def test_an_encoded_body_reply_is_the_message_protobuf_writes_at_every_length(
+        size: int, metadata: dict[str, str] | None) -> None:
+    """Each length prefix on the way to the body crosses a varint boundary somewhere in these sizes; the
+    set headers have values of every kind (empty, non-ASCII bytes, long) and long removal lists."""
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    set_headers = [("x-a", b"1"), ("x-empty", b""), ("x-long", b"v" * 300), ("x-bytes", "\u00fc".encode())]
+    removals = [f"x-r{i}" for i in range(40)]
+    expected = pb.ProcessingResponse()
+    if metadata:
+        expected.dynamic_metadata.update({"pd_extproc": metadata})
+    mutation = expected.request_body.response.header_mutation
+    set_header(mutation, "content-length", str(len(body)).encode())
+    for key, value in set_headers:
+        set_header(mutation, key, value)
+    mutation.remove_headers.extend(removals)
+    expected.request_body.response.body_mutation.body = body
+    encoded = msg.reply(SendToDecode(body, set_headers, removals, metadata))
+    assert isinstance(encoded, msg.EncodedResponse)
+    assert encoded.wire == expected.SerializeToString(deterministic=True)
+    assert encoded.message() == expected

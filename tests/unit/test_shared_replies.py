@@ -22,7 +22,7 @@ from tests.ext_proc_messages import body_message, headers_message
 from tests.unit.test_processor import CHAT_BODY, HANDOFF, PREFILL, ok, rig
 
 
-async def one_stream(servicer: ExtProcServicer, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+async def one_stream(servicer: ExtProcServicer, *messages: pb.ProcessingRequest) -> list[msg.Response]:
     async def requests() -> AsyncIterator[pb.ProcessingRequest]:
         for message in messages:
             yield message
@@ -65,7 +65,8 @@ def test_no_gateway_path_changes_the_shared_continue_replies() -> None:
         servicer = ExtProcServicer(r.processor, passthrough=lambda: None)
         r.transport.answers.append(ok({"id": "x", "kv_transfer_params": HANDOFF}))
         pd = await one_stream(servicer, *pd_stream())
-        assert set(pd[1].request_body.response.header_mutation.remove_headers) >= PICKER_HEADERS
+        assert isinstance(pd[1], msg.EncodedResponse)
+        assert set(pd[1].message().request_body.response.header_mutation.remove_headers) >= PICKER_HEADERS
         body: dict[str, Any] = {"model": "m", "input": "hi"}
         await one_stream(servicer, headers_message("/v1/embeddings", {"x-prefiller-host-port": PREFILL}),
                          body_message(body))
