@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -128,12 +128,15 @@ class EncodedResponse:
         return pb.ProcessingResponse.FromString(self.wire)
 
 
-Response = pb.ProcessingResponse | EncodedResponse
+Response: TypeAlias = pb.ProcessingResponse | EncodedResponse
 
 
 def serialize(response: Response) -> bytes:
     """grpc's response serializer for the ext_proc service."""
-    return response.wire if type(response) is EncodedResponse else response.SerializeToString()
+    if isinstance(response, EncodedResponse):
+        return response.wire
+    wire: bytes = response.SerializeToString()
+    return wire
 
 
 def encode_body_reply(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
