@@ -23,6 +23,7 @@ from extproc.adapters import build_adapter, engines
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import ConfigError, Settings
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
+from extproc.malloc import keep_large_blocks
 from extproc.observability.httpserver import HttpServer, Request, Response
 from extproc.observability.metrics import Metrics
 from extproc.pipeline.admission import Admission
@@ -254,10 +255,12 @@ class ExtProcServer:
 async def serve(settings: Settings, on_ready: Callable[[str, int], None] | None = None,
                 role: WorkerRole | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain. A second signal stops at once."""
+    large_blocks_kept = keep_large_blocks(settings.max_request_bytes)
     server = ExtProcServer(settings, role)
     await server.start()
     log.info("ext_proc server listening", extra={
-        "address": server.address, "metrics_port": server.metrics_port, "settings": settings.describe()})
+        "address": server.address, "metrics_port": server.metrics_port, "settings": settings.describe(),
+        "large_blocks_kept": large_blocks_kept})
     if on_ready is not None:
         on_ready(server.address, server.metrics_port)
     stop = asyncio.Event()

@@ -21,6 +21,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
+from extproc.malloc import keep_large_blocks
+from extproc.pipeline.shared_body import BodySlots, Unreadable, with_body
 from extproc.protocol.errors import Code, PdError
 from extproc.protocol.inspection import Inspected, Refusal, Rules, client_request, inspect, inspect_answer
 from extproc.protocol.openai_request import ClientRequest, precheck
@@ -50,16 +52,27 @@ def pool_size(max_inflight: int, processes: int = 1) -> int:
 PARENT_WATCH_SECONDS = 1.0
 
 
+def start_worker(parent: int, max_request_bytes: int) -> None:
+    """Pool worker initializer: the server's allocator thresholds (malloc.py: a worker reads and parses
+    bodies of megabytes too), and an exit with the server."""
+    keep_large_blocks(max_request_bytes)
+    exit_with_parent(parent)
+
+
 def exit_with_parent(parent: int) -> None:
-    """Pool worker initializer: a worker whose server died (SIGKILL, the OOM killer) exits too. It would
-    not notice otherwise (each worker holds its own end of the pool's call queue, so it never reads EOF)
-    and would live on as an orphan holding memory and the server's stdout and stderr."""
+    """A worker whose server died (SIGKILL, the OOM killer) exits too. It would not notice otherwise (each
+    worker holds its own end of the pool's call queue, so it never reads EOF) and would live on as an
+    orphan holding memory and the server's stdout and stderr."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_WATCH_SECONDS)
         os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _inspect_body(work: Work, path: str, content_type: str | None, rules: Rules, raw: bytes) -> Inspected | Refusal:
+    return work(path, content_type, raw, rules)
 
 
 class Inspector:
@@ -74,6 +87,7 @@ class Inspector:
         self._inline_max_bytes = inline_max_bytes
         self._work = work
         self._pool: ProcessPoolExecutor | None = None
+        self._slots = BodySlots(workers)
         self.waiting = 0  # large bodies submitted and not answered yet
         self.offloaded = 0  # large bodies inspected in the pool, answered or not
 
@@ -82,7 +96,7 @@ class Inspector:
         if len(raw) <= self._inline_max_bytes:
             return client_request(path, raw, inspect(path, content_type, raw, self._rules))
         precheck(path, content_type, raw, self._rules.max_bytes, self._rules.served)  # a refusal that needs no worker
-        answer = await self._in_pool(functools.partial(self._work, path, content_type, raw, self._rules))
+        answer = await self._in_pool(functools.partial(_inspect_body, self._work, path, content_type, self._rules), raw)
         if isinstance(answer, Refusal):
             raise answer.error()
         return client_request(path, raw, answer)
@@ -92,13 +106,25 @@ class Inspector:
         ``inspect`` would run it: on the loop when the body is small, else in the pool, bounded alike."""
         if len(raw) <= self._inline_max_bytes:
             return work(raw)
-        return await self._in_pool(functools.partial(work, raw))
+        return await self._in_pool(work, raw)
 
-    async def _in_pool(self, call: Callable[[], T]) -> T:
+    async def _in_pool(self, function: Callable[[bytes], T], raw: bytes) -> T:
+        """``function(raw)`` in a worker, the body lent through shared memory (shared_body.py) when it can be."""
         if self.waiting >= self._max_waiting:
             raise PdError(Code.PD_OVERLOADED)
         self.waiting += 1
         self.offloaded += 1
+        try:
+            async with self._slots.lend(raw) as body:
+                try:
+                    return await self._run(functools.partial(with_body, body, function))
+                except Unreadable as exc:  # then this body, and every later one, through the pipe
+                    self._slots.disable(str(exc))
+            return await self._run(functools.partial(with_body, raw, function))
+        finally:
+            self.waiting -= 1
+
+    async def _run(self, call: Callable[[], T]) -> T:
         pool = self._running_pool()
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, call)
@@ -108,8 +134,6 @@ class Inspector:
                 self._pool = None
             pool.shutdown(wait=False, cancel_futures=True)
             raise PdError(Code.INTERNAL_ERROR) from None
-        finally:
-            self.waiting -= 1
 
     def start(self) -> None:
         """Make the pool now (its queues and locks; no process yet), so a host that cannot give a process
@@ -119,7 +143,7 @@ class Inspector:
     def _running_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=exit_with_parent, initargs=(os.getpid(),))
+                                             initializer=start_worker, initargs=(os.getpid(), self._rules.max_bytes))
         return self._pool
 
     def close(self) -> None:
@@ -127,3 +151,4 @@ class Inspector:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self._slots.close()

@@ -7,6 +7,7 @@
   floor 2  extproc/adapters/ | extproc/upstream/ | extproc/observability/  (side by side: none imports
            another)
   floor 1  extproc/clock.py        time as one object passed in (asyncio's sleep and timeout underneath)
+         | extproc/malloc.py       the C allocator's thresholds for bodies of megabytes (side by side)
   floor 0  extproc/protocol/       the pure floor: request parsing, JSON spans, fields, steering, the
                                    prefill policy, relayed errors, the error table, the transport seam
   pd_extproc_lab/                  emulated engines and the demo stack (never on the request path)
@@ -35,7 +36,7 @@ PACKAGES = ("extproc", "pd_extproc_lab")
 FLOORS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("extproc.protocol", "extproc._version"),),
     # Time as one object passed in (asyncio's sleep and timeout underneath): not pure, so off the floor.
-    (("extproc.clock",),),
+    (("extproc.clock",), ("extproc.malloc",)),
     (("extproc.adapters",), ("extproc.upstream",), ("extproc.observability",)),
     (("extproc.pipeline",),),
     # Settings sit under the edge: the Envoy bootstrap renders from Settings and the workers' addresses.
