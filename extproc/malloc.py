@@ -8,8 +8,10 @@ decode, the reply), so each request faulted fresh pages in again: per 1 MiB requ
 faults and 2.5 ms of server CPU, per 8 MiB request about 7,000 and 30 ms, measured through the whole
 stack (docs/decisions.md). With the mmap threshold at 32 MiB (glibc's largest on 64-bit) and the trim
 threshold at four bodies of the largest size allowed, the same requests fault in almost nothing. The
-price: that much freed heap (128 MiB by default) may stay with the process for the next requests instead
-of going back to the system at once.
+price: that much freed heap (128 MiB by default) may stay with each of the process's allocator arenas
+(the main one, and one per thread that made large blocks, such as gRPC's) for the next requests instead
+of going back to the system at once; blocks up to 32 MiB come from those arenas, not from their own
+mappings.
 
 The operator's own ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or glibc.malloc tunables win:
 then nothing is changed here. Elsewhere than glibc (musl) nothing is changed either.
@@ -18,7 +20,6 @@ then nothing is changed here. Elsewhere than glibc (musl) nothing is changed eit
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Mapping
 
@@ -41,11 +42,8 @@ def keep_large_blocks(max_request_bytes: int, environ: Mapping[str, str] = os.en
     tunables = environ.get("GLIBC_TUNABLES", "")
     if any(name in environ for name in OPERATOR_VARIABLES) or any(name in tunables for name in OPERATOR_TUNABLES):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # this process's own symbols: the C library it runs on, no ldconfig lookup
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018  # glibc only: musl has mallopt as a stub
     except (OSError, AttributeError):

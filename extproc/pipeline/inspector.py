@@ -52,9 +52,10 @@ def pool_size(max_inflight: int, processes: int = 1) -> int:
 PARENT_WATCH_SECONDS = 1.0
 
 
-def start_worker(parent: int, max_request_bytes: int) -> None:
+def start_worker(parent: int, max_request_bytes: int, _body_slots: object) -> None:
     """Pool worker initializer: the server's allocator thresholds (malloc.py: a worker reads and parses
-    bodies of megabytes too), and an exit with the server."""
+    bodies of megabytes too), and an exit with the server. ``_body_slots``: the memory files this worker
+    inherited (shared_body.py), under the numbers the server lends them by."""
     keep_large_blocks(max_request_bytes)
     exit_with_parent(parent)
 
@@ -115,6 +116,7 @@ class Inspector:
         self.waiting += 1
         self.offloaded += 1
         try:
+            self._running_pool()  # its memory files exist before the first body is lent
             async with self._slots.lend(raw) as body:
                 try:
                     return await self._run(functools.partial(with_body, body, function))
@@ -142,8 +144,10 @@ class Inspector:
 
     def _running_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            slots = self._slots.open()  # before the workers: each inherits them
             self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=start_worker, initargs=(os.getpid(), self._rules.max_bytes))
+                                             initializer=start_worker,
+                                             initargs=(os.getpid(), self._rules.max_bytes, slots))
         return self._pool
 
     def close(self) -> None:

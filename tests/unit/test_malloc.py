@@ -3,12 +3,15 @@ operator's own glibc settings left alone."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 
 import pytest
 
 from extproc import malloc
+
+GLIBC = hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
 
 # Four rounds of freeing 16 MiB of large blocks, then the minor faults of 50 more such rounds.
 _CHURN = """
@@ -36,6 +39,7 @@ def faults_per_round(mode: str) -> float:
     return float(done.stdout)
 
 
+@pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's")
 def test_freed_large_blocks_are_reused_instead_of_faulted_in_again() -> None:
     default, kept = faults_per_round("default"), faults_per_round("keep")
     assert kept * 2 < default, (kept, default)
@@ -50,3 +54,12 @@ def test_the_operators_own_allocator_settings_win(environ: dict[str, str]) -> No
 def test_the_heap_kept_is_four_of_the_largest_bodies_and_at_least_the_mmap_threshold() -> None:
     assert malloc.trim_threshold(32 << 20) == 128 << 20
     assert malloc.trim_threshold(1 << 20) == malloc.MMAP_THRESHOLD_BYTES
+
+
+def test_a_c_library_that_is_not_glibc_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Musl:
+        def __init__(self, name: object) -> None:
+            self.mallopt = lambda *args: pytest.fail("mallopt called on a C library that is not glibc")
+
+    monkeypatch.setattr(ctypes, "CDLL", Musl)
+    assert malloc.keep_large_blocks(32 << 20, {}) is False

@@ -99,7 +99,8 @@ def test_a_pd_body_removes_the_steering_headers_then_in_gateway_mode_the_pickers
     assert removed == sorted(STEERING_HEADER_NAMES) + (sorted(PICKER_HEADERS) if gateway else [])
 
 
-@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 300_000, (1 << 20) + 7, 3 << 21])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 300_000, (1 << 20) + 7, (1 << 21) - 600,
+                                  (1 << 21) - 1, 1 << 21, 3 << 21])
 @pytest.mark.parametrize("metadata", [None, {"fallback": "aggregated; reason=prefill_upstream_timeout"}])
 def test_an_encoded_body_reply_is_the_message_protobuf_writes_at_every_length(
         size: int, metadata: dict[str, str] | None) -> None:

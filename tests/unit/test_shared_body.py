@@ -1,5 +1,5 @@
 """A large body's way to an inspection worker (extproc/pipeline/shared_body.py): through a memory file the
-worker reads, not through the pool's pipe; and through the pipe again when a worker cannot read it."""
+worker inherits, not through the pool's pipe; and through the pipe again when that cannot be done."""
 
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ class PicklingExecutor(Executor):
 
 def inspector_with(executor: Executor, keep_bytes: int = shared_body.KEEP_BYTES) -> Inspector:
     inspector = Inspector(Rules(64 << 20), inline_max_bytes=0)
-    inspector._pool = executor  # type: ignore[assignment]
     inspector._slots = shared_body.BodySlots(1, keep_bytes)
+    inspector._slots.open()
+    inspector._pool = executor  # type: ignore[assignment]
     return inspector
 
 
@@ -65,6 +66,7 @@ def test_a_large_body_reaches_the_worker_whole_without_going_through_the_pipe() 
 def test_a_slot_keeps_a_body_of_up_to_keep_bytes_and_gives_a_larger_ones_pages_back() -> None:
     async def run() -> None:
         slots = shared_body.BodySlots(1, keep_bytes=64 << 10)
+        slots.open()
         sizes = []
         for size in (32 << 10, 128 << 10):
             async with slots.lend(os.urandom(size)) as body:
@@ -75,6 +77,72 @@ def test_a_slot_keeps_a_body_of_up_to_keep_bytes_and_gives_a_larger_ones_pages_b
         slots.close()
 
     asyncio.run(run())
+
+
+def test_a_real_pool_worker_reads_the_body_from_the_file_it_inherited() -> None:
+    """Spawned workers, as the server runs them: the file's descriptor reaches each one at its start."""
+    async def run() -> None:
+        inspector = Inspector(Rules(64 << 20), workers=2, inline_max_bytes=0)
+        try:
+            raws = [os.urandom(size) for size in (1 << 20, 3 << 20, 20 << 10, 9 << 20)]
+            answers = await asyncio.gather(*(inspector.check(digest, raw) for raw in raws))  # type: ignore[arg-type]
+            assert answers == [digest(raw) for raw in raws]
+            assert inspector._slots.usable and inspector._slots.lent == len(raws)
+        finally:
+            inspector.close()
+
+    asyncio.run(run())
+
+
+def test_a_short_write_is_completed_and_a_failed_one_sends_the_body_through_the_pipe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real_pwrite = os.pwrite
+    calls: list[int] = []
+
+    def short_pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(12, "Cannot allocate memory")
+        return real_pwrite(fd, bytes(data)[:1000], offset)
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+
+    async def run() -> None:
+        executor = PicklingExecutor()
+        inspector = inspector_with(executor)
+        raw = os.urandom(2000)
+        assert await inspector.check(digest, raw) == digest(raw)  # type: ignore[arg-type,comparison-overlap]
+        assert calls == [0, 1000] and executor.sent[0] < 1024  # two writes of 1000 bytes, then lent
+        assert await inspector.check(digest, raw) == digest(raw)  # type: ignore[arg-type,comparison-overlap]
+        assert executor.sent[1] > 2000 and inspector._slots.usable  # this body through the pipe, the next not
+        inspector.close()
+
+    asyncio.run(run())
+
+
+def test_closing_the_slots_closes_a_lent_file_only_once_its_body_is_done() -> None:
+    async def run() -> None:
+        slots = shared_body.BodySlots(2)
+        slots.open()
+        async with slots.lend(b"x" * 100) as body:
+            assert isinstance(body, shared_body.LentBody)
+            slots.close()
+            assert body.read() == b"x" * 100  # still open: a worker may be reading it
+            idle = [fd for fd in range(3, 1024) if fd != body.fd and _is_memfd(fd)]
+            assert idle == []
+        with pytest.raises(OSError):
+            os.fstat(body.fd)
+        async with slots.lend(b"y") as after:
+            assert after == b"y"  # closed: nothing is lent any more
+
+    asyncio.run(run())
+
+
+def _is_memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:pd-extproc-body-")
+    except OSError:
+        return False
 
 
 def test_a_body_a_worker_cannot_read_goes_through_the_pipe_and_so_does_every_later_one(
