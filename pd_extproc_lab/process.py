@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +38,21 @@ class StackError(RuntimeError):
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# util-linux's setpriv sets PR_SET_PDEATHSIG and then execs the command, so the child starts without a
+# preexec_fn. A preexec_fn makes subprocess fork() instead of vfork(), and a fork of a process that runs
+# gRPC (the test process does) runs gRPC's fork handlers in the child before its exec: they killed an
+# emulated worker at start a few times in the full test run ("(event_engine) Epoll1Poller ... epoll_wait
+# error: Bad file descriptor" in its log, a process that never imports grpc).
+_SETPRIV = shutil.which("setpriv")
+
+
+def launch(argv: Sequence[str], setpriv: str | None = _SETPRIV) -> tuple[list[str], Callable[[], None] | None]:
+    """The argv to start and the preexec_fn it needs, for a child that gets SIGTERM when we exit."""
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "TERM", "--", *argv], None
+    return list(argv), _die_with_parent
 
 
 class Child:
@@ -59,9 +75,10 @@ class Child:
 
     def start(self) -> None:
         self._log = self.log_path.open("ab")
+        argv, preexec = launch(self.argv)
         self.process = subprocess.Popen(
-            self.argv, env=self.env, stdout=subprocess.PIPE if self.scan_stdout else self._log, stderr=self._log,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+            argv, env=self.env, stdout=subprocess.PIPE if self.scan_stdout else self._log, stderr=self._log,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec,
         )
         if not self.scan_stdout:
             return
