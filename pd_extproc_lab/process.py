@@ -44,7 +44,8 @@ def _die_with_parent() -> None:
 # preexec_fn. A preexec_fn makes subprocess fork() instead of vfork(), and a fork of a process that runs
 # gRPC (the test process does) runs gRPC's fork handlers in the child before its exec: they killed an
 # emulated worker at start a few times in the full test run ("(event_engine) Epoll1Poller ... epoll_wait
-# error: Bad file descriptor" in its log, a process that never imports grpc).
+# error: Bad file descriptor" in its log, a process that never imports grpc). One difference: setpriv sets
+# the signal after Popen returns, so a parent that dies within that moment leaves the child behind.
 _SETPRIV = shutil.which("setpriv")
 
 

@@ -25,12 +25,17 @@ def test_without_setpriv_the_child_sets_it_itself() -> None:
     assert argv == ["envoy"] and preexec is not None
 
 
+# The parent waits until setpriv has made way for the command: a parent that died before setpriv set the
+# signal would leave the child to whoever adopts it (a start-up race of the launcher; `up` lives on).
 _PARENT = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 from pd_extproc_lab.process import Child
 child = Child("sleeper", ["sleep", "120"], dict(os.environ), Path(sys.argv[1]), scan_stdout=False)
 child.start()
+deadline = time.monotonic() + 30
+while Path(f"/proc/{child.process.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+    time.sleep(0.01)
 print(child.process.pid, flush=True)
 os._exit(0)
 """
