@@ -15,13 +15,11 @@ from functools import partial
 from math import nan
 from typing import TYPE_CHECKING
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-
 from extproc.adapters import build_adapter, engines
 from extproc.clock import Clock, MonotonicClock
 from extproc.config import ConfigError, Settings
+from extproc.envoy.h2server import GrpcServer
+from extproc.envoy.health import NOT_SERVING, SERVING, Health
 from extproc.envoy.stream import EXT_PROC_SERVICE, ExtProcServicer
 from extproc.malloc import keep_large_blocks
 from extproc.observability.httpserver import HttpServer, Request, Response
@@ -164,24 +162,13 @@ class ExtProcServer:
         self.metrics.loop_tasks.set_function(lambda: len(asyncio.all_tasks()))  # scraped on the loop
         self.metrics.inspections_waiting.set_function(lambda: self.processor.inspector.waiting)
         self.metrics.prefill_idle_connections.set_function(self.prefill_client.idle_connections)
-        self.health = HealthServicer()
+        self.health = Health()
         self.http = HttpServer(self._http)
         self.metrics_port = 0
-        limit = settings.grpc_max_message_bytes
-        self.grpc = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_concurrent_streams", 0x7FFFFFFF),
-        ])
         passthrough = self.metrics.passthroughs.inc if settings.mode == "gateway" else None
-        ExtProcServicer(self.processor, passthrough).add_to(self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        try:
-            self.bound_port = self.grpc.add_insecure_port(settings.grpc_listen.grpc_target())
-        except RuntimeError:  # grpc says "Failed to bind" as a RuntimeError
-            self.bound_port = 0
-        if self.bound_port == 0 and not settings.grpc_listen.is_unix:
-            raise ListenError(f"cannot listen on {settings.grpc_listen} (grpc_listen): is it in use?")
+        self.grpc = GrpcServer({**ExtProcServicer(self.processor, passthrough).handlers(), **self.health.handlers()},
+                               max_message=settings.grpc_max_message_bytes)
+        self.bound_port = 0
 
     @property
     def address(self) -> str:
@@ -216,15 +203,25 @@ class ExtProcServer:
                 self.metrics_port = await self.http.start(listen.host, listen.port)
         except OSError as exc:
             raise metrics_listen_error(listen, exc) from None
-        await self.grpc.start()
+        await self._listen()
         if isinstance(self.decode_queue, DecodeQueueWatch):
             self.decode_queue.start()
         for service in ("", EXT_PROC_SERVICE):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(service, SERVING)
         if not self.policy.explicit:
             log.warning("no prefill allow-list (PD_EXTPROC_PREFILL_ALLOW): a peer allowed to set "
                         "x-prefiller-host-port may name any address the default policy allows; an explicit list "
                         "is recommended")
+
+    async def _listen(self) -> None:
+        listen = self.settings.grpc_listen
+        try:
+            if listen.unix_path is not None:
+                await self.grpc.listen_unix(listen.unix_path)
+            else:
+                self.bound_port = await self.grpc.listen_tcp(listen.host, listen.port)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen} (grpc_listen): {exc.strerror or exc}") from None
 
     async def drain(self) -> None:
         """Stop taking new P/D requests; give in-flight ones the grace period, then cancel them.
@@ -234,7 +231,7 @@ class ExtProcServer:
         arrives gets a JSON 503 pd_shutting_down rather than a transport error."""
         self.admission.draining = True
         for service in ("", EXT_PROC_SERVICE):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(service, NOT_SERVING)
         notice = min(HEALTH_NOTICE, self.settings.drain_timeout / 2)
         await self.clock.sleep(notice)  # in-flight requests carry on meanwhile
         grace_ends = self.clock.now() + self.settings.drain_timeout - notice

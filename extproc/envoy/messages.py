@@ -117,11 +117,16 @@ def _removals(names: tuple[str, ...]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class EncodedResponse:
-    """A ProcessingResponse already in its wire form: grpc sends ``wire`` as it is (``serialize``)."""
+    """A ProcessingResponse already in its wire form, in pieces (the body one of them, never copied into
+    a whole): the server sends ``parts`` as they are (``wire_parts``)."""
 
-    wire: bytes
+    parts: tuple[bytes, ...]
 
-    def SerializeToString(self) -> bytes:  # protobuf's name: grpc and the benches call it
+    @property
+    def wire(self) -> bytes:
+        return b"".join(self.parts)
+
+    def SerializeToString(self) -> bytes:  # protobuf's name: the benches call it
         return self.wire
 
     def message(self) -> pb.ProcessingResponse:
@@ -131,20 +136,20 @@ class EncodedResponse:
 Response: TypeAlias = pb.ProcessingResponse | EncodedResponse
 
 
-def serialize(response: Response) -> bytes:
-    """grpc's response serializer for the ext_proc service."""
+def wire_parts(response: Response) -> tuple[bytes, ...]:
+    """A response's wire form, in the pieces the server sends one after another."""
     if isinstance(response, EncodedResponse):
-        return response.wire
+        return response.parts
     wire: bytes = response.SerializeToString()
-    return wire
+    return (wire,)
 
 
 def encode_body_reply(body: bytes, set_headers: Sequence[tuple[str, bytes]] = (),
                       remove_headers: Sequence[str] = (),
                       metadata: Mapping[str, str] | None = None) -> EncodedResponse:
     """A body reply, byte for byte as protobuf writes it (tests/unit/test_reply_bytes.py), with
-    the body copied once: protobuf copies it into the message and again into the wire, and on this VM
-    its writer costs about 1.6 ms a MiB (docs/decisions.md)."""
+    the body never copied: protobuf copies it into the message and again into the wire, and on this VM
+    its writer costs about 1.6 ms a MiB (docs/decisions.md); the server writes the pieces as they are."""
     headers = b"".join([_set_header("content-length", b"%d" % len(body)),
                         *[_set_header(key, value) for key, value in set_headers], _removals(tuple(remove_headers))])
     body_field = _field(_BODY, len(body))
@@ -155,8 +160,9 @@ def encode_body_reply(body: bytes, set_headers: Sequence[tuple[str, bytes]] = ()
     tail = b""
     if metadata:
         tail = pb.ProcessingResponse(dynamic_metadata={METADATA_NAMESPACE: dict(metadata)}).SerializeToString()
-    return EncodedResponse(b"".join((_field(_REQUEST_BODY, len(common_field) + common_length), common_field,
-                                     headers_field, headers, mutation_field, body_field, body, tail)))
+    head = b"".join((_field(_REQUEST_BODY, len(common_field) + common_length), common_field, headers_field, headers,
+                     mutation_field, body_field))
+    return EncodedResponse((head, body, tail) if tail else (head, body))
 
 
 def reply(decision: SendToDecode | LocalReply) -> Response:

@@ -1,23 +1,25 @@
 """The ext_proc stream loop: reads Envoy's messages on one gRPC stream and answers each.
 
 Only this module reads from and writes to the gRPC stream. A client that goes away makes Envoy reset
-the stream; grpc.aio then cancels the handler task, and the prefill call awaited inside it is
-cancelled with it, so decode is never dispatched.
+the stream; the server (extproc/envoy/h2server.py) then cancels the call's task, and the prefill call
+awaited inside it is cancelled with it, so decode is never dispatched.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 
 from extproc.envoy import gateway
 from extproc.envoy import messages as msg
+from extproc.envoy.h2server import Call, Handler
+from extproc.envoy.h2wire import Status
 from extproc.pipeline.background import BackgroundPrefill
 from extproc.pipeline.processor import PdProcessor, Pending
 from extproc.protocol.errors import Code, PdError
@@ -56,7 +58,7 @@ class _Stream:
     decode_answered: bool = False
 
 
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExtProcServicer:
     def __init__(self, processor: PdProcessor, passthrough: Callable[[], None] | None = None) -> None:
         """``passthrough`` (gateway mode): called for each request that is not P/D, which is then let
         through after its headers message, or after its body when the picker tagged it
@@ -64,18 +66,33 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._processor = processor
         self._passthrough = passthrough
 
-    def add_to(self, server: grpc.aio.Server) -> None:
-        """Serve Envoy's ext_proc service on ``server`` (app.py's gRPC server) with this servicer."""
-        # The generated add_ExternalProcessorServicer_to_server, but with our serializer: a body reply
-        # arrives already encoded (messages.EncodedResponse).
-        handlers = {"Process": grpc.stream_stream_rpc_method_handler(
-            self.Process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=msg.serialize)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, handlers),))
-        server.add_registered_method_handlers(EXT_PROC_SERVICE, handlers)
+    def handlers(self) -> dict[str, Handler]:
+        """Envoy's ext_proc method on our gRPC server (app.py)."""
+        return {f"/{EXT_PROC_SERVICE}/Process": self.serve_call}
+
+    async def serve_call(self, call: Call) -> tuple[int, str]:
+        """One ext_proc stream on the server: each message answered as it comes (a body reply arrives
+        already encoded, in pieces: messages.EncodedResponse)."""
+        stream = _Stream()
+        try:
+            while (message := await call.recv()) is not None:
+                try:
+                    request = pb.ProcessingRequest.FromString(message)
+                except DecodeError:
+                    return Status.INTERNAL, "a message that is not a ProcessingRequest"
+                response, done = await self._step(stream, request)
+                call.send(*msg.wire_parts(response))
+                if done:
+                    break
+            return Status.OK, ""
+        finally:
+            _ended(stream)
 
     async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[msg.Response]:
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncGenerator[msg.Response, None]:
+        """The same as ``serve_call`` over protobuf messages, without a server (the benches and tests
+        that drive the servicer in-process)."""
         stream = _Stream()
         try:
             async for request in request_iterator:
@@ -84,10 +101,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if done:
                     return
         finally:
-            # Envoy ended the stream (normally, or with a reset) before decode's response headers: the
-            # client is gone, and nobody will use the KV of a concurrent prefill that still runs.
-            if stream.background is not None and not stream.decode_answered:
-                stream.background.task.cancel()
+            _ended(stream)
 
     async def _step(self, stream: _Stream, request: pb.ProcessingRequest) -> tuple[msg.Response, bool]:
         """The reply to one message, and whether the stream is done."""
@@ -163,6 +177,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if pending is not None:
             return msg.reply(self._processor.refuse_now(pending, Code.INTERNAL_ERROR))
         return msg.error_reply(Code.INTERNAL_ERROR, 500)
+
+
+def _ended(stream: _Stream) -> None:
+    """Envoy ended the stream (normally, or with a reset) before decode's response headers: the client is
+    gone, and nobody will use the KV of a concurrent prefill that still runs."""
+    if stream.background is not None and not stream.decode_answered:
+        stream.background.task.cancel()
 
 
 def _log_out_of_order(phase: Phase, kind: str) -> None:

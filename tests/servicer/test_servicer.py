@@ -1,4 +1,4 @@
-"""The ext_proc servicer in-process: a real grpc.aio server driven by a gRPC client that speaks
+"""The ext_proc servicer in-process: our gRPC server (extproc/envoy/h2server.py) driven by a gRPC client that speaks
 ext_proc, with an emulated prefill worker in the same event loop. No Envoy: these tests pin the
 message-level contract and the paths Envoy's routes never exercise."""
 
@@ -102,7 +102,7 @@ def test_drain_refuses_new_pd_requests() -> None:
         serving = await health.Check(health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE))
         assert serving.status == health_pb2.HealthCheckResponse.SERVING
         h.server.admission.draining = True
-        await h.server.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        h.server.health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}))
         assert error_of(responses[0]) == (503, "pd_shutting_down")
         draining = await health.Check(health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE))
@@ -185,5 +185,18 @@ def test_prefill_status_keeps_its_class_in_the_immediate_response(status: int, e
         responses = await h.exchange(headers_message(CHAT, {"x-prefiller-host-port": h.prefill_address}),
                                      body_message({"messages": [{"role": "user", "content": "x"}]}))
         assert error_of(responses[-1]) == (expected, "prefill_upstream_error")
+
+    run(test)
+
+
+def test_a_message_that_is_not_a_processing_request_ends_the_stream_with_internal() -> None:
+    async def test(h: Harness) -> None:
+        method = h.channel.stream_stream(f"/{EXT_PROC_SERVICE}/Process", request_serializer=lambda raw: raw,
+                                         response_deserializer=pb.ProcessingResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [response async for response in method(iter([b"\xff\xff\xff"]))]
+        assert refused.value.code() == grpc.StatusCode.INTERNAL
+        assert refused.value.details() == "a message that is not a ProcessingRequest"
+        assert h.server.admission.inflight == 0
 
     run(test)

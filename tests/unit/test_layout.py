@@ -232,7 +232,7 @@ def test_the_checks_read_imports_in_functions_under_type_checking_and_relative()
 # no clock, no logging, no protobufs.
 IMPURE = ("asyncio", "socket", "ssl", "selectors", "threading", "multiprocessing", "concurrent", "subprocess",
           "urllib", "http", "mmap", "time", "random", "logging", "os", "grpc", "grpc_health", "envoy", "google",
-          "h11", "aiohttp", "prometheus_client", "opentelemetry")
+          "h11", "hpack", "aiohttp", "prometheus_client", "opentelemetry")
 # settings_spec's two secret-file parsers read a file when config (or an engine's build) parses a
 # setting at startup, never per request.
 PURE_EXCEPTIONS = {("extproc.protocol.settings_spec", "os")}

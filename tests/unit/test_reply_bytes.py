@@ -24,7 +24,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 def wire(response: msg.Response) -> bytes:
     """What Envoy receives: an encoded reply's own bytes, or protobuf's (deterministic) serialisation."""
-    return msg.serialize(response) if isinstance(response, msg.EncodedResponse) \
+    return b"".join(msg.wire_parts(response)) if isinstance(response, msg.EncodedResponse) \
         else response.SerializeToString(deterministic=True)
 
 
