@@ -14,7 +14,7 @@ NOISY = 0.10
 NOISE_NOTE = ("† = in at least one round of this cell, processes outside the benchmark used more than 10 % of "
               "the machine even after retries (see \"Load generator and machine noise\").")
 SYSTEM_ORDER = ("direct", "direct-prefill", "envoy", "passthrough", "floor-cxx", "floor-aio", "floor-aio-shape",
-                "floor-aio-delay", "floor-aio-burn", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
+                "floor-aio-delay", "floor-aio-burn", "floor-h2", "pd-extproc", "pd-extproc-x2", "vllm-router", "smg")
 SET_ORDER = ("cheap", "cheap-sglang", "emulated")
 SET_TITLES = {
     "cheap": "Cheap vLLM-shaped workers (the headline: the workers are not the bottleneck)",
@@ -47,7 +47,10 @@ SYSTEM_DESCRIPTIONS = {
                  "that does nothing (bench/floor/ext_proc_floor.cc, grpc++ callback API): continue on the headers, "
                  "the same body back with its content-length -> decode (the design's floor; cheap workers only)",
     "floor-aio": "the same with a grpc.aio servicer that does nothing (bench/floor/aio.py: our grpcio, uvloop, "
-                 "server options and Unix socket): our transport's floor",
+                 "server options and Unix socket): the floor of grpc.aio, our transport until our own gRPC server",
+    "floor-h2": "floor-aio's do-nothing servicer on our own gRPC server (bench/floor/h2.py on "
+                "extproc/envoy/h2server.py, as `pd-extproc serve` runs it): our transport's floor "
+                "(non-stream c=64 only)",
     "floor-aio-shape": "floor-aio answering the body with our exact reply to a successful vllm_nixl request: "
                        "content-length, our five remove_headers, the body with a cheap prefill worker's "
                        "kv_transfer_params spliced in (bench/floor/replies.py; decode counts a consumer leg; "

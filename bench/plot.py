@@ -21,7 +21,7 @@ SYSTEMS = {  # name -> (label, colour, marker)
     "envoy": ("Envoy alone", "tab:gray", "s"),
     "passthrough": ("our Envoy, passthrough", "tab:blue", "o"),
     "floor-cxx": ("our Envoy + a compiled do-nothing ext_proc (the design's floor)", "black", "."),
-    "floor-aio": ("our Envoy + a grpc.aio do-nothing ext_proc (our transport's floor)", "tab:brown", "."),
+    "floor-aio": ("our Envoy + a grpc.aio do-nothing ext_proc (grpc.aio's floor)", "tab:brown", "."),
     "pd-extproc": ("pd-extproc P/D", "tab:red", "D"),
     "pd-extproc-x2": ("pd-extproc P/D, 2 server processes", "tab:orange", "d"),
     "vllm-router": ("vllm-router 0.1.17 P/D", "tab:green", "^"),

@@ -32,7 +32,7 @@ TARGET_THROUGHPUT_VS_ROUTER = 0.4  # P/D throughput at c=64 / vllm-router's (iss
 TARGET_ENVOY_OVER_FLOOR_US = 30.0  # Envoy's CPU per P/D request above floor-aio's Envoy, at c=64 (issue 36)
 FLOOR_AIO, FLOOR_CXX = "floor-aio", "floor-cxx"
 # Envoy's share A/B: floor-aio, its variants (bench/floor/aio.py) and ours, behind the same Envoy bootstrap.
-ENVOY_SHARE_SYSTEMS = (FLOOR_AIO, "floor-aio-shape", "floor-aio-delay", "floor-aio-burn", "pd-extproc")
+ENVOY_SHARE_SYSTEMS = (FLOOR_AIO, "floor-aio-shape", "floor-aio-delay", "floor-aio-burn", "floor-h2", "pd-extproc")
 ENVOY_SHARE_POINT = ("non-stream", 64)
 VALIDITY_FACTOR = 5.0
 PD_SYSTEMS = ("pd-extproc", "pd-extproc-x2", "vllm-router", "smg")

@@ -62,7 +62,7 @@ LATENCY_SYSTEMS = ("direct", "envoy", "passthrough", "floor-cxx", "floor-aio", "
                    "vllm-router", "smg")
 REFERENCE_SYSTEMS = ("direct-prefill",)  # measured for non-streaming only: prefill legs never stream
 # Envoy's share A/B (bench/floor/aio.py's variants), measured at one point of the cheap set only.
-ENVOY_SHARE_SYSTEMS = tuple(f"floor-aio-{variant}" for variant in ENVOY_SHARE_VARIANTS)
+ENVOY_SHARE_SYSTEMS = (*(f"floor-aio-{variant}" for variant in ENVOY_SHARE_VARIANTS), "floor-h2")
 LARGE_BODY_SYSTEMS = ("direct", "envoy", "passthrough", "pd-extproc", "vllm-router")
 PD_SYSTEMS = ("pd-extproc", "vllm-router")
 SWEEP_SYSTEMS = ("direct", "envoy", "pd-extproc", "vllm-router")

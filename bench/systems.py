@@ -15,8 +15,10 @@ and the systems of a set:
   pd-extproc-x2     the same with ``pd-extproc serve --workers 2`` (a supervisor and two worker processes),
                     Envoy balancing streams over their two Unix sockets (cheap set only: what a second
                     core buys)
-  floor-aio         our Envoy bootstrap (route pd) + a grpc.aio ext_proc servicer that does nothing: our
-                    transport's floor (bench/floor; cheap set only)
+  floor-aio         our Envoy bootstrap (route pd) + a grpc.aio ext_proc servicer that does nothing: the
+                    floor of grpc.aio, our transport until our own gRPC server (bench/floor; cheap set only)
+  floor-h2          the same do-nothing servicer on our own gRPC server (extproc/envoy/h2server.py): our
+                    transport's floor (Envoy's share A/B only)
   floor-cxx         the same with a compiled do-nothing ext_proc server (grpc++): the design's floor
   floor-aio-shape   floor-aio answering the body with our exact reply to a successful vllm_nixl request
                     (the handoff spliced in, decode counts a consumer leg): Envoy's share A/B, cheap set only,
@@ -153,6 +155,7 @@ class Fleet:
                 self._start_floor(worker_set, f"floor-aio-{variant}",
                                   [sys.executable, "-m", "bench.floor.aio", "--variant", variant],
                                   handoff=variant == "shape")
+            self._start_floor(worker_set, "floor-h2", [sys.executable, "-m", "bench.floor.h2"])
             self._start_floor(worker_set, "floor-cxx", [self.tools.floor_cxx])
         if worker_set.engine == "vllm":
             self._start_router(worker_set, "vllm-router", [
