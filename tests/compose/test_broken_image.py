@@ -14,7 +14,7 @@ from tests.compose.project import ComposeProject, brought_up, container_engine
 pytestmark = pytest.mark.compose
 
 BROKEN = ("tests/compose/broken-image.yaml",)
-CAUSE = "No module named 'grpc'"  # the ModuleNotFoundError `pd-extproc serve` exits with in the broken image
+CAUSE = "No module named 'hpack'"  # the ModuleNotFoundError `pd-extproc serve` exits with in the broken image
 
 
 def test_a_service_that_cannot_start_fails_up_with_its_log(built_image: ComposeProject) -> None:
