@@ -206,9 +206,10 @@ def floors(summary: dict[str, Any]) -> list[str]:
              _x(r.get("rps_over_peer")), _ms(r["added_p50_ms"]), _ms(r["floor_aio_added_p50_ms"]),
              _ms(r["floor_cxx_added_p50_ms"])] for r in found]
     return ["## Our own work above the floors (cheap workers)", "",
-            "CPU µs per request. \"Our own work\" = `pd-extproc`'s server CPU minus `floor-aio`'s (the same grpc.aio "
-            "transport doing nothing, behind the same Envoy shape, in the same run): what our Python does per P/D "
-            "request. \"Total\" = server + the Envoy in front of it (for vllm-router: its one process). The floors "
+            "CPU µs per request. \"Our own work\" = `pd-extproc`'s server CPU minus `floor-aio`'s (grpc.aio doing "
+            "nothing, behind the same Envoy shape, in the same run; since our own gRPC server replaced grpc.aio it "
+            "can be negative: our transport's floor is `floor-h2`, in the Envoy share table above). \"Total\" = server "
+            "+ the Envoy in front of it (for vllm-router: its one process). The floors "
             "run no prefill leg, so the difference also holds the prefill client's CPU.", "",
             *_table(["mode", "c", "server", "floor-aio server", "our own work", "server / floor-aio",
                      "floor-cxx server", "total", "floor-cxx total", "total / floor-cxx", "vllm-router",
@@ -489,7 +490,7 @@ def stage_budget(results: dict[str, Any]) -> list[str]:
             f"against the cheap prefill worker, {len(result.repeats)} runs (the median shown; totals "
             + ", ".join(f"{v:.0f}" for v in result.repeats) + " µs). CPU is the thread's clock around each stage, "
             "excluding stages nested in it; \"stream loop and glue\" is the total minus every stage. Not included: "
-            "grpc.aio's own work per message (see floor-aio above). Tracing off. The timing itself costs about "
+            "the gRPC server's own work per message (see floor-h2 above). Tracing off. The timing itself costs about "
             f"{result.instrumentation_us:.0f} µs per request, spread over the stages and the glue.", "",
             *_table(["stage", "CPU µs/request", "share", "wall µs/request", "calls/request"], table(result)), ""]
 
