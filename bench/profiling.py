@@ -15,8 +15,8 @@ from pathlib import Path
 _FRAME = re.compile(r"(?P<function>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
 # First matching rule names a stack's category; checked from the leaf towards the root.
 _CATEGORIES: tuple[tuple[str, str], ...] = (
-    # grpc.aio's poller thread runs the gRPC C-core (HTTP/2, completion queue); py-spy sees only its
-    # Python entry point.
+    # grpc.aio's poller thread (the floors' servers) runs the gRPC C-core (HTTP/2, completion queue);
+    # py-spy sees only its Python entry point. Our own server runs on the event loop.
     ("gRPC C-core poller thread", "Thread.run (threading.py"),
     ("logging", "logging/"),
     ("logging", "extproc/observability/logs.py"),
@@ -28,11 +28,14 @@ _CATEGORIES: tuple[tuple[str, str], ...] = (
     ("prefill HTTP client (upstream, http1)", "extproc/upstream/http1.py"),
     ("protobuf messages (envoy_messages)", "extproc/envoy/messages.py"),
     ("protobuf messages (envoy_messages)", "google/protobuf/"),
-    ("gRPC (grpc.aio, Cython core)", "grpc/"),
-    ("gRPC (grpc.aio, Cython core)", "src/python/grpcio/"),
+    ("gRPC server (ours: HTTP/2 frames, HPACK)", "extproc/envoy/h2server.py"),
+    ("gRPC server (ours: HTTP/2 frames, HPACK)", "extproc/envoy/h2wire.py"),
+    ("gRPC server (ours: HTTP/2 frames, HPACK)", "hpack/"),
+    ("gRPC (grpc.aio, Cython core; the floors only)", "grpc/"),
+    ("gRPC (grpc.aio, Cython core; the floors only)", "src/python/grpcio/"),
     ("our servicer/processor", "extproc/"),
-    ("asyncio event loop (incl. C task steps, grpc Cython callbacks)", "asyncio/"),
-    ("asyncio event loop (incl. C task steps, grpc Cython callbacks)", "selectors.py"),
+    ("asyncio event loop (incl. C task steps)", "asyncio/"),
+    ("asyncio event loop (incl. C task steps)", "selectors.py"),
 )
 _ROOT_FRAMES = ("extproc/__main__.py", "extproc/cli.py")
 
