@@ -21,7 +21,9 @@ EXCUSED: dict[str, frozenset[str]] = {
     "decode_5xx": frozenset({"engine_500", "engine_stream_error"}),
     "decode_reset": frozenset({"decode_upstream_unavailable", "cut_after_head"}),
     "decode_queue": frozenset({"pd_overloaded"}),
-    "extproc_kill": frozenset({"pd_extproc_unavailable", "pd_extproc_timeout"}),
+    # Envoy keeps each request's ext_proc stream open until the request ends; when our server dies under a
+    # response decode has started, Envoy resets the client's stream (PROTOCOL.md §2, failure_mode_allow).
+    "extproc_kill": frozenset({"pd_extproc_unavailable", "pd_extproc_timeout", "cut_after_head"}),
     "extproc_drain": frozenset({"pd_shutting_down", "pd_extproc_unavailable"}),
     "envoy_drain": frozenset({"no_response", "cut_after_head"}),
 }
